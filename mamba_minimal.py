@@ -1,0 +1,668 @@
+"""
+mamba_minimal.py: Mamba (Gu & Dao, 2023) in plain PyTorch, compatible with the official checkpoints.
+
+Sections, in the order of the idea:
+
+    1. Discretization          from the continuous (Δ, A, B) to the step (exp(Δ·A), Δ·B·x)
+    2. The selective scan      selective_scan(): discretize, run the recurrence, read out with C
+    3. The fused, chunked scan the hardware-aware path: never hold (B, L, ED, N), opt-in compile
+    4. The model               MambaConfig, RMSNorm, the mixer, the residual block, the LM
+    5. Recurrent inference     prefill, an O(1) step per token, generate
+    6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
+
+Glossary (code name: paper symbol, meaning)
+
+    b        batch size                      (B in the shape comments)
+    l        sequence length                 (L)
+    d_model  model width                     (D)
+    d_inner  expanded width, expand·d_model  (ED)
+    n        state size per channel          (N, config.d_state)
+    delta    Δ, the input-dependent step size, one per token and channel   (B, L, ED)
+    A        the continuous state matrix, diagonal, fixed per channel      (ED, N)
+    B, C     input and output projections of the state, per token          (B, L, N)
+    D        the skip connection y += D·x, per channel                     (ED)
+    dA, dBx  the discretized step: h_t = dA_t·h_{t-1} + dBx_t              (B, L, ED, N)
+
+The recurrence h_t = a_t·h_{t-1} + b_t itself lives in pscan.py; read that file first.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import pscan
+
+SCAN_BACKENDS = ("auto", "sequential", "pscan", "associative", "chunked")
+
+
+def _at_least_fp32(t):
+    """fp16/bf16 -> fp32; fp32 and fp64 stay as they are (the tests run whole models in fp64)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Discretization
+# ------------------------------------------------------------------------------------------------
+# A state space model is the continuous system h'(t) = A·h(t) + B·x(t), y(t) = C·h(t). To run it
+# on tokens we sample it with a step Δ. For A, the zero-order hold is exact when x is constant
+# over the step: h_t = exp(Δ·A)·h_{t-1} + ... Since A is diagonal and negative, exp(Δ·A) is an
+# elementwise decay in (0, 1): a large Δ forgets the past, a small Δ keeps it. For B, Mamba uses
+# the simpler Euler step Δ·B·x_t instead of ZOH's (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B·x_t: the two agree
+# to first order in Δ, and the simple form is cheaper and works as well in practice.
+#
+# What makes Mamba *selective* is that Δ, B and C are computed from the current token, so the
+# model chooses per token what to write into the state (B), what to read out (C) and how fast to
+# forget (Δ). A stays a learned constant per channel: Δ already scales it per token, and a fixed
+# negative A keeps every decay exp(Δ·A) in (0, 1), so the recurrence stays stable.
+
+def discretize(x, delta, A, B):
+    """The step of the recurrence for every token.
+
+    Args:
+        x:     (B, L, ED)  input of the scan
+        delta: (B, L, ED)  step size Δ, positive
+        A:     (ED, N)     continuous state matrix (diagonal, negative)
+        B:     (B, L, N)   input projection
+    Returns:
+        dA:  (B, L, ED, N)  exp(Δ·A)      zero-order hold
+        dBx: (B, L, ED, N)  Δ·B·x         Euler step
+    """
+    dA = torch.exp(delta.unsqueeze(-1) * A)  # (B, L, ED, N)
+    dBx = (delta * x).unsqueeze(-1) * B.unsqueeze(2)  # (B, L, ED, N)
+    return dA, dBx
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. The selective scan
+# ------------------------------------------------------------------------------------------------
+# y_t = C_t·h_t + D·x_t, then gated by SiLU(z_t). The eager backends materialize dA, dBx and all
+# the states h as (B, L, ED, N) tensors and hand the recurrence to pscan.scan. Everything runs in
+# fp32 whatever the input dtype: the state sums hundreds of small contributions.
+
+def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend):
+    if backend not in SCAN_BACKENDS:
+        raise ValueError(f"backend must be one of {SCAN_BACKENDS}, got {backend!r}")
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape (B, L, ED), got {tuple(x.shape)}")
+    b, l, ed = x.shape
+    if l == 0:
+        raise ValueError("the sequence length must be at least 1, got x of shape (B, 0, ED)")
+    if A.dim() != 2 or A.shape[0] != ed:
+        raise ValueError(f"A must have shape (ED, N) = ({ed}, N), got {tuple(A.shape)}")
+    n = A.shape[1]
+    expected = {"delta": (b, l, ed), "B": (b, l, n), "C": (b, l, n), "D": (ed,), "z": (b, l, ed),
+                "h0": (b, ed, n)}
+    for name, t in (("delta", delta), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
+        if t is not None and tuple(t.shape) != expected[name]:
+            raise ValueError(f"{name} must have shape {expected[name]}, got {tuple(t.shape)}")
+
+
+def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
+                   return_last_state=False, chunk_size=16, recompute=False):
+    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z).
+
+    Args:
+        x:       (B, L, ED)  input
+        delta:   (B, L, ED)  step size Δ (after softplus)
+        A:       (ED, N)     diagonal state matrix, negative
+        B, C:    (B, L, N)   input and output projections
+        D:       (ED,)       skip connection, or None
+        z:       (B, L, ED)  gate, or None
+        h0:      (B, ED, N)  initial state, or None for zeros
+        backend: "sequential", "pscan", "associative" (pscan.py over materialized tensors),
+                 "chunked" (section 3) or "auto" (pscan.scan's choice)
+        compile: run the chunked path through torch.compile (implies backend="chunked")
+        chunk_size, recompute: see section 3
+    Returns:
+        y: (B, L, ED) in x's dtype, and with return_last_state the final state (B, ED, N) in fp32
+    """
+    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend)
+    out_dtype = x.dtype
+    x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
+    if compile or backend == "chunked":
+        y, h_last = chunked_selective_scan(x, delta, A, B, C, h0, chunk_size, recompute, compile)
+    else:
+        dA, dBx = discretize(x, delta, A, B)  # (B, L, ED, N) each
+        h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (B, L, ED, N)
+        y = (h @ C.unsqueeze(-1)).squeeze(-1)  # (B, L, ED)  y_t = C_t·h_t
+        h_last = h[:, -1]  # (B, ED, N)
+    if D is not None:
+        y = y + D.to(x.dtype) * x  # (B, L, ED)
+    if z is not None:
+        y = y * F.silu(z.to(x.dtype))  # (B, L, ED)
+    y = y.to(out_dtype)
+    return (y, h_last) if return_last_state else y
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. The fused, chunked scan
+# ------------------------------------------------------------------------------------------------
+# Where the time goes. The eager path above writes dA, dBx and h to memory as (B, L, ED, N)
+# tensors and reads them back several times: for the training shape (12, 64, 256, 16) that is
+# 12.6 MB each, for a long sequence gigabytes, while the inputs x, Δ, B, C are N times smaller.
+# The arithmetic is trivial; the cost is memory traffic.
+#
+# The fix (the official CUDA kernel's idea, written here in PyTorch): run the scan chunk by
+# chunk. For a chunk of T steps: discretize, run the recurrence from the carried state, contract
+# with C, and pass the last state on. Only (B, T, ED, N) is ever alive. Eagerly this is still
+# several passes over a small block; under torch.compile, Inductor fuses the chunk into one
+# kernel (C++ on a CPU, Triton on a GPU) that reads x, Δ, B, C once and writes y once, the
+# states staying in registers and cache.
+#
+# Static shapes: every chunk has length T. The last one is padded with identity steps, Δ = 0,
+# which give dA = exp(0) = 1 and dBx = 0, so the state passes through unchanged and the padded
+# outputs are dropped. A new sequence length therefore never triggers a recompile.
+#
+# Recompute (training): autograd would keep every chunk's (B, T, ED, N) intermediates for the
+# backward, which is O(B·L·ED·N) again. With recompute=True each chunk is wrapped in activation
+# checkpointing: the forward keeps only the chunk's inputs and its start state, and the backward
+# recomputes the chunk's states from there. Memory drops to O(B·L·ED + B·T·ED·N) for one more
+# forward pass of compute.
+
+def _scan_chunk(x, delta, A, B, C, h):
+    """One chunk. x, delta: (B, T, ED); A: (ED, N); B, C: (B, T, N); h: (B, ED, N) start state.
+    Returns y (B, T, ED) without the D skip, and the end state (B, ED, N)."""
+    dA, dBx = discretize(x, delta, A, B)  # (B, T, ED, N), one chunk only
+    ys = []
+    for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C.unbind(1)):
+        h = torch.addcmul(dBx_t, dA_t, h)  # (B, ED, N)
+        ys.append((h * C_t.unsqueeze(1)).sum(-1))  # (B, ED)
+    return torch.stack(ys, dim=1), h  # (B, T, ED), (B, ED, N)
+
+
+_compiled_scan_chunk = None
+
+
+def _get_compiled_scan_chunk():
+    global _compiled_scan_chunk
+    if _compiled_scan_chunk is None:
+        _compiled_scan_chunk = torch.compile(_scan_chunk, dynamic=False, fullgraph=True)
+    return _compiled_scan_chunk
+
+
+def chunked_selective_scan(x, delta, A, B, C, h0=None, chunk_size=16, recompute=False,
+                           compile=False):
+    """The scan chunk by chunk (fp32 inputs). Returns y (B, L, ED) without D, and the final state."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    b, l, ed = x.shape
+    T = chunk_size
+    pad = (-l) % T
+    if pad:  # identity steps: Δ = 0 gives dA = 1, dBx = 0
+        x, delta = F.pad(x, (0, 0, 0, pad)), F.pad(delta, (0, 0, 0, pad))  # (B, L+pad, ED)
+        B, C = F.pad(B, (0, 0, 0, pad)), F.pad(C, (0, 0, 0, pad))  # (B, L+pad, N)
+    h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (B, ED, N)
+    step = _get_compiled_scan_chunk() if compile else _scan_chunk
+    ys = []
+    for s in range(0, l + pad, T):
+        chunk = (x[:, s:s + T], delta[:, s:s + T], A, B[:, s:s + T], C[:, s:s + T], h)
+        if recompute and torch.is_grad_enabled():
+            y, h = torch.utils.checkpoint.checkpoint(step, *chunk, use_reentrant=False)
+        else:
+            y, h = step(*chunk)
+        ys.append(y)
+    return torch.cat(ys, dim=1)[:, :l], h  # (B, L, ED), (B, ED, N)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. The model
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class MambaConfig:
+    """Field names follow the official mamba_ssm MambaConfig and Mamba block."""
+    d_model: int = 128
+    n_layer: int = 4
+    vocab_size: int = 65
+    d_state: int = 16
+    expand: int = 2
+    dt_rank: Union[int, str] = "auto"  # "auto": ceil(d_model / 16)
+    d_conv: int = 4
+    conv_bias: bool = True
+    bias: bool = False
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_scale: float = 1.0
+    norm_epsilon: float = 1e-5
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    residual_in_fp32: bool = True
+    # how to run the selective scan (not part of a checkpoint's identity)
+    scan_backend: str = "auto"
+    compile_scan: bool = False
+    chunk_size: int = 16
+    recompute: bool = False
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "expand", "d_conv",
+                     "pad_vocab_size_multiple", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"MambaConfig.{name} must be a positive integer, got {value!r}")
+        if self.dt_rank == "auto":
+            self.dt_rank = math.ceil(self.d_model / 16)
+        if not isinstance(self.dt_rank, int) or self.dt_rank < 1:
+            raise ValueError(f"MambaConfig.dt_rank must be 'auto' or a positive integer, got {self.dt_rank!r}")
+        if self.scan_backend not in SCAN_BACKENDS:
+            raise ValueError(f"MambaConfig.scan_backend must be one of {SCAN_BACKENDS}, got {self.scan_backend!r}")
+        if not 0 < self.dt_min <= self.dt_max:
+            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
+
+    @property
+    def d_inner(self):
+        return self.expand * self.d_model
+
+    @property
+    def padded_vocab_size(self):
+        m = self.pad_vocab_size_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · weight, computed in fp32."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        x32 = _at_least_fp32(x)
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.to(self.weight.dtype) * self.weight
+
+
+class MambaMixer(nn.Module):
+    """The Mamba block (named `mixer` in the official tree).
+
+    x ─ in_proj ─┬─ x ─ causal conv1d ─ SiLU ─┬─ x_proj ─ Δ, B, C ─ selective scan ─ (+D·x) ─┐
+                 │                            └────────────────────────── x ──────────────┘ │
+                 └─ z ──────────────────────────────────────── SiLU(z) ──────── × ───────── ┘ ─ out_proj
+    """
+
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.cfg = cfg
+        ed, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
+        self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
+        # depthwise (groups = channels), padded on the left only, so token t sees t-3 .. t
+        self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
+        self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
+        self.A_log = nn.Parameter(torch.empty(ed, n))  # A = -exp(A_log) < 0
+        self.D = nn.Parameter(torch.empty(ed))
+        self.out_proj = nn.Linear(ed, cfg.d_model, bias=cfg.bias)
+        self.reset_ssm_parameters()
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self):
+        """The official initialization of Δ, A and D. Called again by MambaLM after its generic
+        init, so a pass that resets every Linear cannot leave dt_proj's bias at zero (which would
+        start every Δ at softplus(0) = 0.69 instead of 0.001..0.1)."""
+        cfg = self.cfg
+        std = cfg.dt_rank ** -0.5 * cfg.dt_scale
+        nn.init.uniform_(self.dt_proj.weight, -std, std)
+        # Δ log-uniform in [dt_min, dt_max], floored; the bias is its inverse softplus
+        u = torch.rand(cfg.d_inner)
+        dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+        dt = dt.clamp(min=cfg.dt_init_floor)
+        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        # A = -(1, 2, ..., N) in every channel: a spread of decay rates (the S4D-real init)
+        self.A_log.copy_(torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float32)).repeat(cfg.d_inner, 1))
+        self.D.fill_(1.0)
+
+    def _ssm_inputs(self, x):
+        """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
+        cfg = self.cfg
+        dt, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
+        delta = F.softplus(_at_least_fp32(self.dt_proj(dt)))  # (..., ED) Δ > 0
+        return delta, B, C
+
+    def forward(self, hidden, want_cache=False):
+        """hidden: (B, L, D) -> (B, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
+        cfg = self.cfg
+        L = hidden.shape[1]
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, L, ED) each
+        x_conv_in = x.transpose(1, 2)  # (B, ED, L)
+        x = F.silu(self.conv1d(x_conv_in)[..., :L].transpose(1, 2))  # (B, L, ED) causal conv
+        delta, B, C = self._ssm_inputs(x)  # (B, L, ED), (B, L, N), (B, L, N)
+        A = -torch.exp(_at_least_fp32(self.A_log))  # (ED, N)
+        y, h_last = selective_scan(x, delta, A, B, C, self.D, z, backend=cfg.scan_backend,
+                                   compile=cfg.compile_scan, return_last_state=True,
+                                   chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (B, L, ED)
+        out = self.out_proj(y)  # (B, L, D)
+        if not want_cache:
+            return out
+        # the conv's rolling buffer: the last d_conv inputs, zeros before the first token
+        conv_state = F.pad(x_conv_in, (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (B, ED, d_conv)
+        return out, (conv_state.to(self.conv1d.weight.dtype).contiguous(), h_last)
+
+    def step(self, hidden, cache):
+        """One token. hidden: (B, D); cache = (conv_state, ssm_state), updated in place. -> (B, D)"""
+        conv_state, ssm_state = cache  # (B, ED, d_conv), (B, ED, N) fp32
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, ED) each
+        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+        conv_state[:, :, -1] = x
+        x = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (B, ED) the conv at one position
+        if self.conv1d.bias is not None:
+            x = x + self.conv1d.bias
+        x = F.silu(x)  # (B, ED)
+        delta, B, C = self._ssm_inputs(x)  # (B, ED), (B, N), (B, N)
+        A = -torch.exp(_at_least_fp32(self.A_log))  # (ED, N)
+        x32, B, C, z = (_at_least_fp32(t) for t in (x, B, C, z))
+        dA = torch.exp(delta.unsqueeze(-1) * A)  # (B, ED, N)
+        dBx = (delta * x32).unsqueeze(-1) * B.unsqueeze(1)  # (B, ED, N)
+        ssm_state.copy_(torch.addcmul(dBx, dA, ssm_state))  # h = dA·h + dB·x
+        y = (ssm_state @ C.unsqueeze(-1)).squeeze(-1)  # (B, ED)
+        y = (y + self.D.to(x32.dtype) * x32) * F.silu(z)  # (B, ED)
+        return self.out_proj(y.to(x.dtype))  # (B, D)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: h = h + mixer(norm(h)); the residual stream stays fp32."""
+
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)
+        self.mixer = MambaMixer(cfg)
+        self.residual_in_fp32 = cfg.residual_in_fp32
+
+    def _residual(self, h):
+        return _at_least_fp32(h) if self.residual_in_fp32 else h
+
+    def forward(self, h, want_cache=False):
+        out = self.mixer(self.norm(h), want_cache)
+        if want_cache:
+            out, cache = out
+            return self._residual(h) + out, cache
+        return self._residual(h) + out
+
+    def step(self, h, cache):
+        return self._residual(h) + self.mixer.step(self.norm(h), cache)
+
+
+class MixerModel(nn.Module):
+    """The backbone: embedding, blocks, final norm (module names as in the official code)."""
+
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)  # no padding_idx
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon)
+
+
+class MambaLM(nn.Module):
+    """Language model with the official MambaLMHeadModel's module tree:
+    backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.*, backbone.norm_f, lm_head."""
+
+    def __init__(self, cfg: MambaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = MixerModel(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self):
+        """The official recipe: Linear biases zero, embedding N(0, 0.02), each out_proj scaled by
+        1/sqrt(n_layer) so the residual stream's variance does not grow with depth; then the SSM
+        parameters again, since the generic pass above must not decide them."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02)
+        for layer in self.backbone.layers:
+            w = layer.mixer.out_proj.weight
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+            w /= math.sqrt(self.cfg.n_layer)
+            layer.mixer.reset_ssm_parameters()
+
+    def optim_groups(self, weight_decay):
+        """AdamW parameter groups: matrices decay; A_log, D, norms and biases do not."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():  # tied weights appear once
+            if not p.requires_grad:
+                continue
+            if p.dim() < 2 or name.endswith("A_log"):
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        return [{"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    def _check_ids(self, input_ids, rank=2):
+        shape = "(B, L)" if rank == 2 else "(B,)"
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != rank:
+            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise ValueError(f"input_ids must be a tensor of shape {shape}, got {got}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids must not be empty, got shape {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {lo} and max {hi}")
+
+    def forward(self, input_ids, want_cache=False):
+        """input_ids: (B, L) -> logits (B, L, padded_vocab); with want_cache also the inference cache."""
+        self._check_ids(input_ids)
+        h = self.backbone.embedding(input_ids)  # (B, L, D)
+        cache = []
+        for layer in self.backbone.layers:
+            if want_cache:
+                h, layer_cache = layer(h, want_cache=True)
+                cache.append(layer_cache)
+            else:
+                h = layer(h)  # (B, L, D)
+        logits = self.lm_head(self.backbone.norm_f(h))  # (B, L, V)
+        return (logits, cache) if want_cache else logits
+
+    # --------------------------------------------------------------------------------------------
+    # 5. Recurrent inference
+    # --------------------------------------------------------------------------------------------
+    # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv inputs
+    # (B, ED, d_conv) and the SSM state (B, ED, N). So a new token costs the same at position 10
+    # and at position 10,000, unlike attention, whose KV cache grows with the context. The prompt
+    # is read in one parallel pass (prefill), which also returns these states; then each token
+    # is one `step`.
+
+    @torch.no_grad()
+    def prefill(self, input_ids):
+        """input_ids (B, L) -> (logits (B, L, V), cache: per layer (conv_state, ssm_state))."""
+        return self.forward(input_ids, want_cache=True)
+
+    @torch.no_grad()
+    def step(self, token_ids, cache):
+        """token_ids (B,) -> logits (B, V); advances the cache in place, O(1) in the position."""
+        self._check_ids(token_ids, rank=1)
+        if len(cache) != len(self.backbone.layers):
+            raise ValueError(f"cache must hold {len(self.backbone.layers)} layers, got {len(cache)}")
+        h = self.backbone.embedding(token_ids)  # (B, D)
+        for layer, layer_cache in zip(self.backbone.layers, cache):
+            h = layer.step(h, layer_cache)  # (B, D)
+        return self.lm_head(self.backbone.norm_f(h))  # (B, V)
+
+    @torch.no_grad()
+    def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                        generator=None):
+        """Yield (B,) tensors of new token ids, one per step: prefill, then O(1) steps."""
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens == 0:
+            return
+        logits, cache = self.prefill(input_ids)
+        logits = logits[:, -1]  # (B, V)
+        for i in range(max_new_tokens):
+            token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (B,)
+            yield token
+            if i + 1 < max_new_tokens:
+                logits = self.step(token, cache)
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                 generator=None):
+        """input_ids (B, L) -> (B, L + max_new_tokens). top_k=1 (or temperature=0) is greedy."""
+        new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator))
+        return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
+
+    @classmethod
+    def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
+        return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """logits (B, V) -> token ids (B,). Greedy for temperature 0 or top_k 1."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if temperature == 0 or top_k == 1:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        # keep the smallest set of tokens whose probabilities sum to at least top_p
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Loading checkpoints
+# ------------------------------------------------------------------------------------------------
+# Official (state-spaces/mamba-130m ...): config.json with d_model, n_layer, vocab_size, ssm_cfg,
+# pad_vocab_size_multiple, ...; weights in pytorch_model.bin under our key names.
+# transformers (state-spaces/mamba-130m-hf ...): config.json with hidden_size, num_hidden_layers,
+# state_size, ...; weights under the same names except backbone.embeddings.*, often as
+# model.safetensors, which may leave out the tied lm_head.weight.
+
+_HF_FIELDS = {  # transformers name -> MambaConfig name
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "time_step_rank": "dt_rank",
+    "use_conv_bias": "conv_bias", "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
+    "time_step_floor": "dt_init_floor", "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon",
+    "pad_vocab_size_multiple": "pad_vocab_size_multiple", "tie_word_embeddings": "tie_embeddings",
+    "residual_in_fp32": "residual_in_fp32",
+}
+_OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor",
+                        "dt_scale", "conv_bias", "bias"}
+
+
+def config_from_dict(d, **overrides):
+    """A MambaConfig from an official or a transformers config.json dict."""
+    ours = {f.name for f in fields(MambaConfig)}
+    if "hidden_size" in d or "num_hidden_layers" in d:
+        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
+        kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
+    else:
+        required = ["d_model", "n_layer", "vocab_size"]
+        ssm_cfg = dict(d.get("ssm_cfg") or {})
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba1":
+            raise ValueError(f"this implementation covers Mamba-1 only; config.json asks for {layer}")
+        if d.get("attn_layer_idx"):
+            raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
+        if d.get("rms_norm") is False:
+            raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
+        unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS
+        if unknown:
+            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+        kwargs = {k: v for k, v in d.items() if k in ours}
+        kwargs.update(ssm_cfg)
+        if "tie_embeddings" not in d and "tie_word_embeddings" in d:
+            kwargs["tie_embeddings"] = d["tie_word_embeddings"]
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
+    if kwargs.get("dt_rank") is None:
+        kwargs["dt_rank"] = "auto"
+    kwargs.update(overrides)
+    return MambaConfig(**kwargs)
+
+
+def _load_state_dict_file(folder):
+    st = os.path.join(folder, "model.safetensors")
+    pt = os.path.join(folder, "pytorch_model.bin")
+    if os.path.exists(pt):
+        return torch.load(pt, map_location="cpu", weights_only=True)
+    if os.path.exists(st):
+        try:
+            from safetensors.torch import load_file
+        except ImportError as err:
+            raise ImportError(f"{st} needs the safetensors package: pip install safetensors") from err
+        return load_file(st)
+    raise FileNotFoundError(f"no pytorch_model.bin or model.safetensors in {folder}")
+
+
+def _resolve_folder(path_or_id):
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    if os.path.exists(path_or_id):
+        raise ValueError(f"{path_or_id} is a file; pass the folder holding config.json and the weights")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(
+            f"{path_or_id!r} is not a folder, and huggingface_hub is not installed to download it. "
+            f"Either `pip install huggingface_hub`, or download config.json and pytorch_model.bin "
+            f"(or model.safetensors) from https://huggingface.co/{path_or_id} into a folder and pass "
+            f"that folder.") from None
+    return snapshot_download(path_or_id, allow_patterns=["config.json", "*.bin", "*.safetensors"])
+
+
+def convert_state_dict(state_dict, model):
+    """Map either layout onto our key names, re-tie the head, and check the keys strictly."""
+    sd = {}
+    for k, v in state_dict.items():
+        if k.startswith("backbone.embeddings."):
+            k = "backbone.embedding." + k[len("backbone.embeddings."):]
+        sd[k] = v
+    if model.cfg.tie_embeddings and "lm_head.weight" not in sd and "backbone.embedding.weight" in sd:
+        sd["lm_head.weight"] = sd["backbone.embedding.weight"]
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint keys do not match the model: missing {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}")
+    for k, v in model.state_dict().items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise ValueError(f"checkpoint tensor {k} has shape {tuple(sd[k].shape)}, the config "
+                             f"expects {tuple(v.shape)} (vocab padded to {model.cfg.padded_vocab_size})")
+    return sd
+
+
+def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+    folder = _resolve_folder(path_or_id)
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(cfg_path) as f:
+        cfg = config_from_dict(json.load(f), **overrides)
+    model = cls(cfg)
+    model.load_state_dict(convert_state_dict(_load_state_dict_file(folder), model), strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def config_to_dict(cfg: MambaConfig):
+    """The official config.json fields (plus ours), for saving."""
+    return asdict(cfg)

@@ -1,0 +1,353 @@
+"""Specification of mamba_minimal.py: the selective scan, the model, recurrent inference, loading."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mamba_minimal as mm
+from mamba_minimal import MambaConfig, MambaLM
+
+EAGER_BACKENDS = ["sequential", "pscan", "associative", "chunked"]
+
+
+def reference_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None):
+    """The paper's equations one token at a time in float64: h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t,
+    y_t = C_t·h_t + D x_t, gated by SiLU(z_t). Returns y and the final state."""
+    x, delta, A, B, C = (t.double() for t in (x, delta, A, B, C))
+    b, l, ed = x.shape
+    h = torch.zeros(b, ed, A.shape[1], dtype=torch.float64) if h0 is None else h0.double()
+    ys = []
+    for t in range(l):
+        h = torch.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t, None, :] * x[:, t, :, None]
+        y = (h * C[:, t, None, :]).sum(-1)
+        if D is not None:
+            y = y + D.double() * x[:, t]
+        if z is not None:
+            y = y * F.silu(z[:, t].double())
+        ys.append(y)
+    return torch.stack(ys, 1), h
+
+
+def scan_inputs(b=2, l=13, ed=6, n=4, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, l, ed, generator=g, dtype=dtype)
+    delta = F.softplus(torch.randn(b, l, ed, generator=g, dtype=dtype))
+    A = -torch.rand(ed, n, generator=g, dtype=dtype) * 3 - 0.1
+    B = torch.randn(b, l, n, generator=g, dtype=dtype)
+    C = torch.randn(b, l, n, generator=g, dtype=dtype)
+    D = torch.randn(ed, generator=g, dtype=dtype)
+    z = torch.randn(b, l, ed, generator=g, dtype=dtype)
+    h0 = torch.randn(b, ed, n, generator=g, dtype=dtype)
+    return [x, delta, A, B, C, D, z, h0]
+
+
+def tiny_model(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(d_model=32, n_layer=2, vocab_size=21, d_state=8)
+    cfg.update(kw)
+    return MambaLM(MambaConfig(**cfg))
+
+
+# ------------------------------------------------------------------------------------------------
+# the selective scan
+# ------------------------------------------------------------------------------------------------
+
+SCAN_CASES = [  # (backend, chunk_size, recompute)
+    ("sequential", 16, False), ("pscan", 16, False), ("associative", 16, False),
+    ("chunked", 4, False), ("chunked", 4, True), ("chunked", 16, False), ("chunked", 16, True),
+    ("chunked", 5, True), ("auto", 16, False),
+]
+
+
+@pytest.mark.parametrize("L", [1, 3, 13, 16, 21])
+@pytest.mark.parametrize("backend, chunk_size, recompute", SCAN_CASES)
+def test_selective_scan_matches_float64_reference(backend, chunk_size, recompute, L):
+    inputs = [t.requires_grad_() for t in scan_inputs(l=L)]
+    y, h_last = mm.selective_scan(*inputs, backend=backend, chunk_size=chunk_size,
+                                  recompute=recompute, return_last_state=True)
+    ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    y_ref, h_ref = reference_selective_scan(*ref_inputs)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h_last, h_ref, rtol=1e-10, atol=1e-10)
+    gy, gh = torch.randn_like(y_ref), torch.randn_like(h_ref)
+    got = torch.autograd.grad((y, h_last), inputs, (gy, gh))
+    want = torch.autograd.grad((y_ref, h_ref), ref_inputs, (gy, gh))
+    for name, g, w in zip(["x", "delta", "A", "B", "C", "D", "z", "h0"], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=f"gradient wrt {name}")
+
+
+def test_selective_scan_without_optional_inputs():
+    x, delta, A, B, C, *_ = scan_inputs()
+    y_ref, _ = reference_selective_scan(x, delta, A, B, C)
+    for backend in EAGER_BACKENDS:
+        torch.testing.assert_close(mm.selective_scan(x, delta, A, B, C, backend=backend), y_ref)
+
+
+def test_selective_scan_half_inputs_keep_fp32_state():
+    x, delta, A, B, C, D, z, h0 = scan_inputs(dtype=torch.float32)
+    y_ref, h_ref = reference_selective_scan(x, delta, A, B, C, D, z, h0)
+    args = [t.bfloat16() for t in (x, delta)] + [A] + [t.bfloat16() for t in (B, C, D, z)] + [h0]
+    for backend in EAGER_BACKENDS:
+        y, h = mm.selective_scan(*args, backend=backend, return_last_state=True)
+        assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
+        torch.testing.assert_close(y.double(), y_ref, rtol=0.05, atol=0.1)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: a.__setitem__(0, a[0][:, :, :-1]), r"A must have shape \(ED, N\) = \(5, N\)"),
+        (lambda a: a.__setitem__(1, a[1][:, :-1]), r"delta must have shape \(2, 13, 6\)"),
+        (lambda a: a.__setitem__(2, a[2][:, :-1]), r"B must have shape \(2, 13, 3\), got \(2, 13, 4\)"),
+        (lambda a: a.__setitem__(3, a[3][..., :-1]), r"B must have shape \(2, 13, 4\)"),
+        (lambda a: a.__setitem__(5, a[5][:-1]), r"D must have shape \(6,\)"),
+        (lambda a: a.__setitem__(7, a[7][0]), r"h0 must have shape \(2, 6, 4\)"),
+        (lambda a: a.__setitem__(0, a[0][0]), r"x must have shape \(B, L, ED\)"),
+    ],
+)
+def test_selective_scan_bad_shapes_raise(change, message):
+    args = scan_inputs()
+    change(args)
+    with pytest.raises(ValueError, match=message):
+        mm.selective_scan(*args)
+
+
+def test_selective_scan_unknown_backend_and_chunk_size_raise():
+    args = scan_inputs()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        mm.selective_scan(*args, backend="cuda_kernel")
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
+        mm.selective_scan(*args, backend="chunked", chunk_size=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the model
+# ------------------------------------------------------------------------------------------------
+
+def test_module_tree_has_the_official_names():
+    model = tiny_model(n_layer=2)
+    names = set(model.state_dict())
+    for i in range(2):
+        for leaf in ["norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias",
+                     "mixer.x_proj.weight", "mixer.dt_proj.weight", "mixer.dt_proj.bias",
+                     "mixer.A_log", "mixer.D", "mixer.out_proj.weight"]:
+            assert f"backbone.layers.{i}.{leaf}" in names
+    assert {"backbone.embedding.weight", "backbone.norm_f.weight", "lm_head.weight"} <= names
+    assert model.backbone.embedding.weight.shape[0] == 24  # 21 padded to a multiple of 8
+
+
+def test_every_backend_gives_the_same_logits_and_gradients():
+    model = tiny_model().double()
+    ids = torch.randint(0, 21, (2, 19), generator=torch.Generator().manual_seed(1))
+    results = []
+    for backend in EAGER_BACKENDS:
+        model.cfg.scan_backend = backend
+        model.zero_grad()
+        logits = model(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    for logits, grads in results[1:]:
+        torch.testing.assert_close(logits, results[0][0], rtol=1e-10, atol=1e-10)
+        for g, g0 in zip(grads, results[0][1]):
+            torch.testing.assert_close(g, g0, rtol=1e-8, atol=1e-10)
+
+
+def test_causality_changing_token_t_leaves_earlier_logits_unchanged():
+    model = tiny_model().double()
+    ids = torch.randint(0, 21, (1, 17), generator=torch.Generator().manual_seed(2))
+    base = model(ids)
+    for t in [0, 5, 16]:
+        changed = ids.clone()
+        changed[0, t] = (changed[0, t] + 1) % 21
+        out = model(changed)
+        torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-12)
+        assert not torch.allclose(out[:, t], base[:, t])
+
+
+def test_official_initialization():
+    cfg = dict(d_model=64, n_layer=3, d_state=16, dt_min=1e-3, dt_max=0.1, dt_init_floor=1e-4)
+    model = tiny_model(**cfg)
+    model._init_weights()  # the generic pass zeroes every Linear bias first; dt must survive it
+    for layer in model.backbone.layers:
+        mixer = layer.mixer
+        dt = F.softplus(mixer.dt_proj.bias)
+        assert dt.min() >= 1e-4 - 1e-9 and dt.max() <= 0.1 + 1e-6
+        assert dt.max() > 0.02 and dt.min() < 0.005  # spread log-uniformly, not collapsed
+        A = -torch.exp(mixer.A_log)
+        torch.testing.assert_close(A, -torch.arange(1, 17.0).repeat(128, 1))
+        assert torch.equal(mixer.D, torch.ones(128))
+        bound = mixer.cfg.dt_rank ** -0.5
+        assert mixer.dt_proj.weight.abs().max() <= bound
+    assert model.lm_head.weight is model.backbone.embedding.weight
+    assert abs(model.backbone.embedding.weight.std().item() - 0.02) < 0.002
+
+
+def test_optim_groups_exempt_A_log_D_norms_and_biases():
+    model = tiny_model()
+    decay, no_decay = model.optim_groups(0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    for n in names.values():
+        if n.endswith(("A_log", ".D", "norm.weight", "norm_f.weight", ".bias")):
+            assert n in no_decay_names, n
+    assert "backbone.layers.0.mixer.in_proj.weight" in decay_names
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+# ------------------------------------------------------------------------------------------------
+# recurrent inference
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt_len", [1, 3, 4, 9])
+def test_prefill_then_steps_reproduce_the_parallel_forward(prompt_len):
+    model = tiny_model(d_conv=4).eval()
+    ids = torch.randint(0, 21, (3, 20), generator=torch.Generator().manual_seed(3))
+    full = model(ids)
+    logits, cache = model.prefill(ids[:, :prompt_len])
+    torch.testing.assert_close(logits, full[:, :prompt_len], rtol=0, atol=1e-5)
+    for t in range(prompt_len, ids.shape[1]):
+        step_logits = model.step(ids[:, t], cache)
+        torch.testing.assert_close(step_logits, full[:, t], rtol=0, atol=1e-5, msg=f"position {t}")
+
+
+def test_greedy_generate_equals_teacher_forced_argmax():
+    model = tiny_model().eval()
+    prompt = torch.randint(0, 21, (2, 5), generator=torch.Generator().manual_seed(4))
+    out = model.generate(prompt, max_new_tokens=12, top_k=1)
+    assert out.shape == (2, 17) and torch.equal(out[:, :5], prompt)
+    teacher = model(out[:, :-1])[..., :21].argmax(-1)  # prediction for every next position
+    assert torch.equal(teacher[:, 4:], out[:, 5:])
+    streamed = torch.stack(list(model.generate_stream(prompt, 12, temperature=0.0)), dim=1)
+    assert torch.equal(streamed, out[:, 5:])
+
+
+def test_sampling_respects_top_k_and_top_p():
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]]).repeat(200, 1)
+    g = torch.Generator().manual_seed(0)
+    assert set(mm.sample_next(logits, top_k=2, generator=g).tolist()) <= {1, 2}
+    # probabilities ~ (0.024, 0.474, 0.429, 0.009, 0.064): top_p 0.45 keeps token 1 alone,
+    # top_p 0.9 needs tokens 1 and 2
+    assert set(mm.sample_next(logits, top_p=0.45, generator=g).tolist()) == {1}
+    assert set(mm.sample_next(logits, top_p=0.9, generator=g).tolist()) == {1, 2}
+    assert len(set(mm.sample_next(logits, generator=g).tolist())) >= 3
+    with pytest.raises(ValueError, match="top_p"):
+        mm.sample_next(logits, top_p=1.5)
+
+
+# ------------------------------------------------------------------------------------------------
+# precision
+# ------------------------------------------------------------------------------------------------
+
+def test_bf16_autocast_and_bf16_weights_are_close_to_fp32():
+    model = tiny_model().eval()
+    ids = torch.randint(0, 21, (2, 33), generator=torch.Generator().manual_seed(5))
+    ref = model(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = model(ids)
+    half = tiny_model().to(torch.bfloat16).eval()
+    cast = half(ids)
+    for out in (auto, cast):
+        assert torch.isfinite(out.float()).all()
+        torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.1)
+    assert half.backbone.layers[0].mixer.A_log.dtype == torch.bfloat16
+    # the recurrent state stays fp32 after .to(bfloat16), and stepping still follows the forward
+    _, cache = half.prefill(ids[:, :10])
+    assert cache[0][1].dtype == torch.float32
+    step = half.step(ids[:, 10], cache)
+    torch.testing.assert_close(step.float(), cast[:, 10].float(), rtol=0.05, atol=0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoints
+# ------------------------------------------------------------------------------------------------
+
+def _write_official(folder, model):
+    cfg = model.cfg
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "d_model": cfg.d_model, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
+        "ssm_cfg": {"d_state": cfg.d_state}, "rms_norm": True, "residual_in_fp32": True,
+        "fused_add_norm": True, "pad_vocab_size_multiple": 8}))
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+
+
+def _write_transformers(folder, model):
+    cfg = model.cfg
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["MambaForCausalLM"], "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layer, "vocab_size": cfg.padded_vocab_size,
+        "state_size": cfg.d_state, "expand": 2, "conv_kernel": 4, "time_step_rank": cfg.dt_rank,
+        "use_bias": False, "use_conv_bias": True, "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True, "residual_in_fp32": True}))
+    sd = {k.replace("backbone.embedding.", "backbone.embeddings."): v
+          for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
+    torch.save(sd, folder / "pytorch_model.bin")
+
+
+def test_official_and_transformers_layouts_load_strictly_with_identical_logits(tmp_path):
+    model = tiny_model(seed=7).eval()
+    ids = torch.randint(0, 21, (2, 11), generator=torch.Generator().manual_seed(6))
+    expected = model(ids)
+    _write_official(tmp_path / "official", model)
+    _write_transformers(tmp_path / "hf", model)
+    a = MambaLM.from_pretrained(str(tmp_path / "official"))
+    b = MambaLM.from_pretrained(str(tmp_path / "hf"))
+    for loaded in (a, b):
+        assert loaded.lm_head.weight is loaded.backbone.embedding.weight
+        torch.testing.assert_close(loaded(ids), expected, rtol=0, atol=0)
+
+
+def test_bad_checkpoints_raise_errors_that_name_the_problem(tmp_path):
+    model = tiny_model()
+    _write_official(tmp_path / "ok", model)
+    # a config.json missing a field
+    bad_cfg = tmp_path / "no_layers"
+    bad_cfg.mkdir()
+    (bad_cfg / "config.json").write_text(json.dumps({"d_model": 32, "vocab_size": 21}))
+    with pytest.raises(ValueError, match=r"missing the fields \['n_layer'\]"):
+        MambaLM.from_pretrained(str(bad_cfg))
+    # missing and unexpected keys
+    sd = torch.load(tmp_path / "ok" / "pytorch_model.bin")
+    del sd["backbone.layers.1.mixer.D"]
+    sd["backbone.layers.1.mixer.E"] = torch.zeros(3)
+    torch.save(sd, tmp_path / "ok" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"missing \['backbone.layers.1.mixer.D'\].*unexpected \['backbone.layers.1.mixer.E'\]"):
+        MambaLM.from_pretrained(str(tmp_path / "ok"))
+    # a shape that does not match the config
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({"d_model": 32, "n_layer": 2, "vocab_size": 40,
+                                                            "ssm_cfg": {"d_state": 8}}))
+    torch.save(model.state_dict(), tmp_path / "ok" / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"backbone.embedding.weight has shape \(24, 32\)"):
+        MambaLM.from_pretrained(str(tmp_path / "ok"))
+    # neither a folder nor a hub id we can fetch
+    with pytest.raises((FileNotFoundError, OSError), match="config.json|not a folder|huggingface"):
+        MambaLM.from_pretrained(str(tmp_path / "nothing-here"))
+    with pytest.raises(ValueError, match="Mamba-1 only"):
+        mm.config_from_dict({"d_model": 8, "n_layer": 1, "vocab_size": 5, "ssm_cfg": {"layer": "Mamba2"}})
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        (torch.tensor([[1, 2, 21]]), r"\[0, 21\)"),
+        (torch.tensor([[-1, 2]]), r"\[0, 21\)"),
+        (torch.tensor([1, 2, 3]), r"shape \(B, L\)"),
+        (torch.zeros(1, 0, dtype=torch.long), "empty"),
+        (torch.tensor([[1.0, 2.0]]), "integer"),
+    ],
+)
+def test_bad_token_ids_raise(ids, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model()(ids)
+
+
+def test_bad_config_raises():
+    with pytest.raises(ValueError, match="d_model must be a positive integer"):
+        MambaConfig(d_model=0)
+    with pytest.raises(ValueError, match="scan_backend must be one of"):
+        MambaConfig(scan_backend="fast")
