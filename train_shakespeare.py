@@ -1,0 +1,407 @@
+"""
+train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
+
+    python train_shakespeare.py                              # train with defaults for this device
+    python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
+    torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
+
+The script reads top to bottom: settings, data, model, optimizer, evaluation, the loop, sampling.
+Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
+(one line per evaluation, to plot and compare runs).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import urllib.request
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mamba_minimal import MambaConfig, MambaLM
+
+DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
+
+# ------------------------------------------------------------------------------------------------
+# Settings: defaults per device; every one can be overridden on the command line
+# ------------------------------------------------------------------------------------------------
+
+DEFAULTS = {
+    # a 0.83M-parameter model sized for a laptop CPU: about 5 minutes to val loss 1.75
+    "cpu": dict(d_model=128, n_layer=7, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
+                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto"),
+    # about 11M parameters, in the range of nanoGPT's baby GPT on a GPU
+    "cuda": dict(d_model=384, n_layer=6, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
+                 warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto"),
+}
+DEFAULTS["mps"] = DEFAULTS["cpu"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help=f"a UTF-8 text file (default: {DEFAULT_DATA}, downloaded if missing)")
+    p.add_argument("--out-dir", default="out", help="where checkpoints and log.jsonl go")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    p.add_argument("--seed", type=int, default=1337)
+    m = p.add_argument_group("model (defaults depend on the device)")
+    m.add_argument("--d-model", type=int)
+    m.add_argument("--n-layer", type=int)
+    m.add_argument("--d-state", type=int, default=16)
+    m.add_argument("--scan-backend", choices=["auto", "sequential", "pscan", "associative", "chunked"])
+    m.add_argument("--compile", action="store_true", help="run the selective scan through the fused, compiled chunked path")
+    m.add_argument("--compile-model", action="store_true", help="also torch.compile the whole model")
+    m.add_argument("--recompute", action="store_true", help="recompute chunk states in the backward (less memory)")
+    t = p.add_argument_group("training (defaults depend on the device)")
+    t.add_argument("--block-size", type=int)
+    t.add_argument("--batch-size", type=int, help="per process")
+    t.add_argument("--max-iters", type=int)
+    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
+    t.add_argument("--warmup-iters", type=int)
+    t.add_argument("--lr-decay-iters", type=int, help="length of the cosine decay (default max-iters)")
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--grad-clip", type=float, default=1.0)
+    t.add_argument("--eval-interval", type=int)
+    t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
+    t.add_argument("--log-interval", type=int, default=10)
+    t.add_argument("--patience", type=int, default=0, help="stop after this many evals without improvement (0: never)")
+    t.add_argument("--resume", action="store_true", help="continue from <out-dir>/last.pt")
+    t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
+    s.add_argument("--checkpoint", help="checkpoint to sample from (default <out-dir>/best.pt)")
+    s.add_argument("--prompt", default="\n")
+    s.add_argument("--num-chars", type=int, default=500)
+    s.add_argument("--temperature", type=float, default=0.8)
+    s.add_argument("--top-k", type=int, default=None)
+    args = p.parse_args(argv)
+    return args
+
+
+def pick_device(name):
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def fill_defaults(args, device):
+    for key, value in DEFAULTS[device.type].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    for key in ("d_model", "n_layer", "block_size", "batch_size", "max_iters", "eval_interval",
+                "eval_iters", "log_interval"):
+        if getattr(args, key) < 1:
+            sys.exit(f"error: --{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+
+
+def log(*a):
+    if RANK == 0:
+        print(*a, flush=True)
+
+
+def atomic_save(obj, path):
+    """Write to a temporary file, then rename: an interrupted save never leaves a broken file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+
+def read_text(path):
+    if path is None:
+        path = DEFAULT_DATA
+        if not os.path.exists(path):
+            if RANK == 0:
+                print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                try:
+                    with urllib.request.urlopen(DATA_URL, timeout=30) as r:
+                        data = r.read()
+                except OSError as err:
+                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nDownload it by hand to "
+                             f"{path}, or pass any UTF-8 text file with --data PATH.")
+                tmp = path + ".part"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            if WORLD > 1:
+                dist.barrier()
+    if not os.path.isfile(path):
+        sys.exit(f"error: data file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if not text:
+        sys.exit(f"error: data file {path} is empty")
+    return text
+
+
+def get_batch(split, step, args, device):
+    """A batch of random windows. The windows are a function of (seed, rank, step) alone, so a
+    resumed run sees exactly the batches the uninterrupted run would have seen."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + RANK * 10_007 + step)
+    ix = torch.randint(len(split) - args.block_size, (args.batch_size,), generator=g)
+    return windows(split, ix, args.block_size, device)
+
+
+def windows(split, starts, block_size, device):
+    x = torch.stack([split[i:i + block_size] for i in starts.tolist()])  # (B, T)
+    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts.tolist()])  # (B, T)
+    return x.to(device), y.to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation
+# ------------------------------------------------------------------------------------------------
+
+def loss_fn(model, x, y, autocast):
+    with autocast:
+        logits = model(x)  # (B, T, padded vocab)
+    logits = logits[..., :VOCAB_SIZE].float()  # the padded rows are not characters
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def mean_loss(model, split, starts, args, device, autocast):
+    """Mean loss over fixed windows, split across processes and averaged."""
+    model.eval()
+    mine = starts[RANK::WORLD]
+    total = torch.zeros(2, device=device)  # (sum of losses, count)
+    for i in range(0, len(mine), args.batch_size):
+        x, y = windows(split, mine[i:i + args.batch_size], args.block_size, device)
+        total += torch.stack([loss_fn(model, x, y, autocast) * len(x), torch.tensor(float(len(x)), device=device)])
+    if WORLD > 1:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling
+# ------------------------------------------------------------------------------------------------
+
+def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None):
+    """Stream num_chars characters after the prompt, one O(1) recurrent step per character."""
+    out = out or sys.stdout
+    stoi = {c: i for i, c in enumerate(chars)}
+    unknown = sorted(set(prompt) - set(stoi))
+    if unknown:
+        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
+    if not prompt:
+        prompt = "\n" if "\n" in stoi else chars[0]
+    ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
+    out.write(prompt)
+    for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
+        out.write(chars[token.item()])
+        out.flush()
+    out.write("\n")
+
+
+def load_for_sampling(args, device):
+    path = args.checkpoint or os.path.join(args.out_dir, "best.pt")
+    if not os.path.exists(path):
+        sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    model = MambaLM(MambaConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), ckpt
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole run
+# ------------------------------------------------------------------------------------------------
+
+RANK, WORLD, VOCAB_SIZE = 0, 1, None
+RUNTIME_FIELDS = ("scan_backend", "compile_scan", "chunk_size", "recompute")  # free to change on resume
+
+
+def model_identity(config_dict):
+    return {k: v for k, v in config_dict.items() if k not in RUNTIME_FIELDS}
+
+
+def main(argv=None):
+    global RANK, WORLD, VOCAB_SIZE
+    args = parse_args(argv)
+    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if ddp:
+        RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        use_cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+        device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    else:
+        device = pick_device(args.device)
+    fill_defaults(args, device)
+    torch.manual_seed(args.seed)
+
+    if args.sample:
+        model, ckpt = load_for_sampling(args, device)
+        VOCAB_SIZE = len(ckpt["vocab"])
+        try:
+            sample(model, ckpt["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
+        except ValueError as err:
+            sys.exit(f"error: {err}")
+        return
+
+    # -------------------------------------------------------------------- data
+    text = read_text(args.data)
+    chars = "".join(sorted(set(text)))
+    VOCAB_SIZE = len(chars)
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    n_train = int(0.9 * len(data))
+    train_data, val_data = data[:n_train], data[n_train:]
+    if len(val_data) <= args.block_size:
+        sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
+                 f"({len(val_data)}) must be longer than one block ({args.block_size}). "
+                 f"Use a longer text or a smaller --block-size.")
+    # the same windows at every evaluation, so the curve measures the model, not the sample
+    g = torch.Generator().manual_seed(1234)
+    n_eval = args.eval_iters * args.batch_size
+    val_starts = torch.randint(len(val_data) - args.block_size, (n_eval,), generator=g)
+    train_starts = torch.randint(len(train_data) - args.block_size, (n_eval,), generator=g)
+
+    # -------------------------------------------------------------------- model
+    cfg = MambaConfig(d_model=args.d_model, n_layer=args.n_layer, vocab_size=VOCAB_SIZE,
+                      d_state=args.d_state, scan_backend=args.scan_backend,
+                      compile_scan=args.compile, recompute=args.recompute)
+    model = MambaLM(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.optim_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+                                  **({"fused": True} if device.type == "cuda" else {}))
+    os.makedirs(args.out_dir, exist_ok=True)
+    last_path, best_path = os.path.join(args.out_dir, "last.pt"), os.path.join(args.out_dir, "best.pt")
+    log_path = os.path.join(args.out_dir, "log.jsonl")
+    step, best_val, elapsed_before, tokens_before, bad_evals = 0, float("inf"), 0.0, 0, 0
+    if args.resume:
+        if not os.path.exists(last_path):
+            sys.exit(f"error: --resume needs {last_path}, which does not exist")
+        ckpt = torch.load(last_path, map_location="cpu", weights_only=False)
+        if ckpt["vocab"] != chars:
+            sys.exit(f"error: {last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
+                     f"characters, this text has {len(chars)}); use the same --data or a new --out-dir")
+        if model_identity(ckpt["config"]) != model_identity(cfg.__dict__):
+            sys.exit(f"error: {last_path} holds another model config {ckpt['config']}; "
+                     f"resume with the same model flags or use a new --out-dir")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        step, best_val = ckpt["step"], ckpt["best_val"]
+        elapsed_before, tokens_before = ckpt["elapsed"], ckpt["tokens"]
+        log(f"resumed from {last_path} at step {step} (best val {best_val:.4f})")
+    elif RANK == 0 and os.path.exists(log_path):
+        os.remove(log_path)  # a fresh run starts a fresh curve
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(train_data):,} train / "
+        f"{len(val_data):,} val characters, device {device}, {WORLD} process(es), "
+        f"{torch.get_num_threads()} thread(s)")
+
+    raw_model = model
+    if args.compile_model:
+        model = torch.compile(model)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def lr_at(it):  # linear warmup, then cosine decay to min_lr
+        if it < args.warmup_iters:
+            return args.lr * (it + 1) / args.warmup_iters
+        if it >= args.lr_decay_iters:
+            return args.min_lr
+        ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
+        return args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
+
+    def save(path):
+        atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "config": cfg.__dict__, "vocab": chars, "step": step, "best_val": best_val,
+                     "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "tokens": tokens,
+                     "args": vars(args)}, path)
+
+    def evaluate():
+        nonlocal best_val, bad_evals
+        train_loss = mean_loss(model, train_data, train_starts, args, device, autocast)
+        val_loss = mean_loss(model, val_data, val_starts, args, device, autocast)
+        improved = val_loss < best_val
+        best_val = min(best_val, val_loss)
+        bad_evals = 0 if improved else bad_evals + 1
+        log(f"eval step {step}: train {train_loss:.4f}, val {val_loss:.4f}"
+            f"{' (best)' if improved else ''}, {elapsed:.0f}s")
+        if RANK == 0:
+            with open(log_path, "a") as f:
+                f.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens,
+                                    "train_loss": train_loss, "val_loss": val_loss}) + "\n")
+            if improved:
+                save(best_path)
+            save(last_path)
+
+    # -------------------------------------------------------------------- the loop
+    tokens_per_step = args.batch_size * args.block_size * WORLD
+    elapsed, tokens = elapsed_before, tokens_before
+    if args.compile or args.compile_model:
+        log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
+    model.train()
+    t_start, t_last, step_at_last = time.time(), time.time(), step
+    while step < args.max_iters:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step)
+        x, y = get_batch(train_data, step, args, device)
+        loss = loss_fn(model, x, y, autocast)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        step += 1
+        tokens += tokens_per_step
+        elapsed = elapsed_before + time.time() - t_start
+        if step % args.log_interval == 0 or step == 1:
+            now = time.time()
+            dt = (now - t_last) / max(1, step - step_at_last)
+            t_last, step_at_last = now, step
+            eta = dt * (args.max_iters - step)
+            log(f"step {step}/{args.max_iters} | loss {loss.item():.4f} | lr {lr_at(step - 1):.2e} | "
+                f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | elapsed {elapsed:.0f}s | eta {eta:.0f}s")
+        if step % args.eval_interval == 0 or step == args.max_iters:
+            evaluate()
+            if args.patience and bad_evals >= args.patience:
+                log(f"early stop: val loss has not improved for {bad_evals} evaluations")
+                break
+
+    # -------------------------------------------------------------------- the end
+    if WORLD > 1:
+        dist.barrier()  # rank 0 has finished writing best.pt
+    if os.path.exists(best_path):
+        raw_model.load_state_dict(torch.load(best_path, map_location="cpu", weights_only=False)["model"])
+    starts = torch.arange(0, len(val_data) - args.block_size, args.block_size)
+    full_val = mean_loss(model, val_data, starts, args, device, autocast)
+    log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
+        f"loss {full_val:.4f} (best checkpoint)")
+    if RANK == 0:
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens,
+                                "full_val_loss": full_val}) + "\n")
+        if not args.no_sample:
+            print("-" * 80)
+            sample(raw_model.eval(), chars, "\n", 300, args.temperature, args.top_k, device)
+    if ddp:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
