@@ -253,11 +253,13 @@ def main(argv=None):
 
     if args.sample:
         model, ckpt = load_for_sampling(args, device)
-        VOCAB_SIZE = len(ckpt["vocab"])
         try:
-            sample(model, ckpt["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
+            if RANK == 0:
+                sample(model, ckpt["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
         except ValueError as err:
             sys.exit(f"error: {err}")
+        if ddp:
+            dist.destroy_process_group()
         return
 
     # -------------------------------------------------------------------- data
@@ -400,6 +402,7 @@ def main(argv=None):
             print("-" * 80)
             sample(raw_model.eval(), chars, "\n", 300, args.temperature, args.top_k, device)
     if ddp:
+        dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
         dist.destroy_process_group()
 
 
