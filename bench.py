@@ -2,6 +2,10 @@
 bench.py: side-by-side timings and memory of the scan backends.
 
     python bench.py scan          # h = scan(a, b): every backend vs the loop and a memory floor
+    python bench.py selective     # selective_scan: eager backends vs the fused chunked path
+    python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
+    python bench.py generate      # cost per generated token at position 16 vs 4096
+    python bench.py all           # everything above
 
 Every table is measured in one process with the candidates interleaved (round-robin, median of
 the repeats), so a noisy machine slows them all alike and the ratios stay meaningful. One thread
@@ -21,6 +25,7 @@ import time
 
 import torch
 
+import mamba_minimal as mm
 import pscan as ps
 
 
@@ -101,6 +106,19 @@ def memory_case(spec):
         a.grad = b.grad = None
         extra = peak_extra_bytes(run)
         print(json.dumps({"tensors": extra / a.numel() / a.element_size()}))
+    elif spec["kind"] == "selective":
+        inputs = selective_inputs(*spec["shape"], requires_grad=True)
+        kw = spec["kwargs"]
+
+        def run():
+            mm.selective_scan(*inputs, **kw).sum().backward()
+
+        run()  # warm-up, and the compile when asked for
+        for t in inputs:
+            t.grad = None
+        extra = peak_extra_bytes(run)
+        B, L, D, N = spec["shape"]
+        print(json.dumps({"tensors": extra / (B * L * D * N * 4), "mb": extra / 2**20}))
     else:
         raise ValueError(f"unknown memory case {spec}")
 
@@ -169,9 +187,194 @@ def bench_scan(args, device):
               "the incoming gradient", ["(B, L, D, N)", "backend", "tensors"], mem_rows)
 
 
+# ------------------------------------------------------------------------------------------------
+# y = selective_scan(x, Δ, A, B, C, D, z)
+# ------------------------------------------------------------------------------------------------
+
+def selective_inputs(B, L, D, N, device="cpu", requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, L, D, generator=g)
+    delta = torch.nn.functional.softplus(torch.randn(B, L, D, generator=g) - 2)
+    A = -torch.arange(1, N + 1.0).repeat(D, 1)
+    Bm, Cm = torch.randn(B, L, N, generator=g), torch.randn(B, L, N, generator=g)
+    Dv, z = torch.ones(D), torch.randn(B, L, D, generator=g)
+    return [t.to(device).requires_grad_(requires_grad) for t in (x, delta, A, Bm, Cm, Dv, z)]
+
+
+SELECTIVE_VARIANTS = {
+    "sequential": dict(backend="sequential"),
+    "pscan": dict(backend="pscan"),
+    "chunked eager": dict(backend="chunked", recompute=False),
+    "chunked eager + recompute": dict(backend="chunked", recompute=True),
+    "compiled": dict(compile=True, recompute=False),
+    "compiled + recompute": dict(compile=True, recompute=True),
+}
+
+
+def bench_selective(args, device):
+    shapes = [(12, 64, 256, 16), (1, 4096, 256, 16)]
+    if device.type == "cuda":
+        shapes.append((8, 2048, 1536, 16))
+    if args.quick:
+        shapes = [(2, 64, 64, 16)]
+    rows, compile_rows = [], []
+    for shape in shapes:
+        inputs = selective_inputs(*shape, device=device, requires_grad=True)
+        variants = dict(SELECTIVE_VARIANTS)
+        long = shape[1] >= 2048
+        if long and device.type == "cpu":  # forward only on the CPU: recompute changes nothing
+            variants.pop("compiled + recompute")
+            variants.pop("chunked eager + recompute")
+
+        def fwd(kw):
+            with torch.no_grad():
+                mm.selective_scan(*inputs, **kw)
+
+        def fb(kw):
+            for t in inputs:
+                t.grad = None
+            mm.selective_scan(*inputs, **kw).sum().backward()
+
+        for name, kw in variants.items():  # first calls: compile time where there is one
+            if kw.get("compile"):
+                sync(device)
+                t0 = time.perf_counter()
+                fwd(kw)
+                sync(device)
+                t1 = time.perf_counter()
+                if not (long and device.type == "cpu"):
+                    fb(kw)
+                sync(device)
+                compile_rows.append([str(shape), name, f"{t1 - t0:.1f}", f"{time.perf_counter() - t1:.1f}"])
+        reps = max(3, args.repeats // (2 if long else 1))
+        t_f = interleaved({k: (lambda kw=kw: fwd(kw)) for k, kw in variants.items()}, reps, device)
+        t_b = {}
+        if not (long and device.type == "cpu"):
+            t_b = interleaved({k: (lambda kw=kw: fb(kw)) for k, kw in variants.items()}, reps, device)
+        for k in variants:
+            rows.append([str(shape), k, f"{t_f[k]:.1f}", f"{t_f['sequential'] / t_f[k]:.2f}",
+                         f"{t_b[k]:.1f}" if t_b else "", f"{t_b['sequential'] / t_b[k]:.2f}" if t_b else ""])
+    table("y = selective_scan(...): median ms, and speed-up over the eager sequential backend",
+          ["(B, L, ED, N)", "path", "fwd ms", "speed-up", "fwd+bwd ms", "speed-up"], rows)
+    table("first call (compile) in seconds, forward then forward+backward",
+          ["(B, L, ED, N)", "path", "fwd s", "fwd+bwd s"], compile_rows)
+    if device.type == "cpu" and sys.platform == "linux" and not args.no_memory and not args.quick:
+        shape = [1, 4096, 1536, 16]
+        mem_rows = []
+        for name in ("pscan", "compiled", "compiled + recompute"):
+            m = memory_in_subprocess({"kind": "selective", "shape": shape, "kwargs": SELECTIVE_VARIANTS[name]})
+            mem_rows.append([str(tuple(shape)), name, f"{m['mb']:.0f}", f"{m['tensors']:.2f}"])
+        base = float(mem_rows[0][2])
+        for r in mem_rows:
+            r.append(f"{float(r[2]) / base:.3f}")
+        table("peak memory of selective_scan forward+backward beyond its inputs",
+              ["(B, L, ED, N)", "path", "MiB", "(B, L, ED, N) tensors", "/ pscan"], mem_rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# One training step of a small language model
+# ------------------------------------------------------------------------------------------------
+
+class TinyGPT(torch.nn.Module):
+    """A plain pre-norm GPT, only as a yardstick for the Mamba training step (4 layers, width
+    128, 4 heads: 0.80M parameters with a 65-character vocabulary)."""
+
+    def __init__(self, vocab=65, d=128, n_layer=4, n_head=4, block=64):
+        super().__init__()
+        nn = torch.nn
+        self.n_head = n_head
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
+            ln1=nn.LayerNorm(d), qkv=nn.Linear(d, 3 * d), proj=nn.Linear(d, d),
+            ln2=nn.LayerNorm(d), fc=nn.Linear(d, 4 * d), out=nn.Linear(4 * d, d))) for _ in range(n_layer))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (B, T, d)
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](x)).split(x.shape[-1], dim=-1)
+            q, k, v = (u.view(b, t, self.n_head, -1).transpose(1, 2) for u in (q, k, v))  # (B, H, T, d/H)
+            att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk["proj"](att.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk["out"](torch.nn.functional.gelu(blk["fc"](blk["ln2"](x))))
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
+def bench_train(args, device):
+    d_model = 384 if device.type == "cuda" else 128
+    batch, block, vocab = 12, 64, 65
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    models = {}
+    for name, kw in [("mamba sequential", dict(scan_backend="sequential")),
+                     ("mamba pscan", dict(scan_backend="pscan")),
+                     ("mamba chunked eager", dict(scan_backend="chunked")),
+                     ("mamba chunked compiled", dict(compile_scan=True))]:
+        torch.manual_seed(0)
+        models[name] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab, **kw)).to(device)
+    torch.manual_seed(0)
+    models["GPT (yardstick)"] = TinyGPT(vocab=vocab, d=d_model, block=block).to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    steps, first = {}, {}
+    for name, model in models.items():
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model=model, opt=opt):
+            with autocast:
+                logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits[..., :vocab].float().flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        first[name] = time.perf_counter() - t0
+        steps[name] = step
+    t = interleaved(steps, args.repeats, device)
+    gpt = t["GPT (yardstick)"]
+    rows = [[name, f"{sum(p.numel() for p in models[name].parameters()) / 1e6:.2f}M", f"{t[name]:.1f}",
+             f"{t[name] / gpt:.2f}", f"{batch * block / t[name] * 1e3:,.0f}", f"{first[name]:.1f}"] for name in models]
+    table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}",
+          ["model", "params", "ms/iter", "/GPT", "tokens/s", "first step s"], rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# Generation: the cost of one more token
+# ------------------------------------------------------------------------------------------------
+
+def bench_generate(args, device):
+    torch.manual_seed(0)
+    vocab = 65
+    model = mm.MambaLM(mm.MambaConfig(d_model=256, n_layer=4, vocab_size=vocab)).to(device).eval()
+    n_steps = 20 if args.quick else 100
+    per_token = {}
+    for pos in (16, 4096):
+        prompt = torch.randint(0, vocab, (1, pos), device=device)
+        _, cache = model.prefill(prompt)
+        token = prompt[:, -1]
+
+        def steps():
+            for _ in range(n_steps):
+                model.step(token, cache)
+
+        per_token[pos] = interleaved({"s": steps}, 5, device)["s"] / n_steps
+    prompt = torch.randint(0, vocab, (1, 16), device=device)
+    model.generate(prompt, 8, top_k=1)
+    sync(device)
+    t0 = time.perf_counter()
+    model.generate(prompt, 256, top_k=1)
+    sync(device)
+    tps = 256 / (time.perf_counter() - t0)
+    rows = [[f"{per_token[16]:.2f}", f"{per_token[4096]:.2f}", f"{per_token[4096] / per_token[16]:.2f}", f"{tps:.0f}"]]
+    table("recurrent generation, 4 layers, d_model 256: ms per token at two positions, and greedy tokens/s",
+          ["ms/token at 16", "ms/token at 4096", "ratio", "greedy tokens/s"], rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="*", help="tables to print: scan (default)")
+    p.add_argument("what", nargs="*", help="tables to print: scan (default), selective, train, generate, all")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
@@ -186,8 +389,11 @@ def main():
     print(f"torch {torch.__version__}, {device}"
           + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else f", {platform.processor() or platform.machine()}")
           + f", {torch.get_num_threads()} thread(s)")
-    tables = {"scan": bench_scan}
-    for what in args.what or ["scan"]:
+    tables = {"scan": bench_scan, "selective": bench_selective, "train": bench_train, "generate": bench_generate}
+    whats = args.what or ["scan"]
+    if whats == ["all"]:
+        whats = list(tables)
+    for what in whats:
         if what not in tables:
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")
         tables[what](args, device)

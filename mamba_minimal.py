@@ -35,7 +35,6 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint
 
 import pscan
 
@@ -105,7 +104,7 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend):
 
 
 def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
-                   return_last_state=False, chunk_size=16, recompute=False):
+                   return_last_state=False, chunk_size=16, recompute=True):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z).
 
     Args:
@@ -160,11 +159,13 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
 # which give dA = exp(0) = 1 and dBx = 0, so the state passes through unchanged and the padded
 # outputs are dropped. A new sequence length therefore never triggers a recompile.
 #
-# Recompute (training): autograd would keep every chunk's (B, T, ED, N) intermediates for the
-# backward, which is O(B·L·ED·N) again. With recompute=True each chunk is wrapped in activation
-# checkpointing: the forward keeps only the chunk's inputs and its start state, and the backward
-# recomputes the chunk's states from there. Memory drops to O(B·L·ED + B·T·ED·N) for one more
-# forward pass of compute.
+# Recompute (training): plain autograd through a chunk keeps every step's (B, ED, N) tensors for
+# the backward, so O(B·L·ED·N) is back, and the backward graph it records is a long chain of
+# small ops that Inductor fuses poorly. With recompute=True each chunk is a custom autograd
+# Function instead: the forward keeps only the chunk's inputs and its start state, and the
+# backward (written out below, fused by torch.compile like the forward) recomputes the states
+# from the start state and runs the reverse recurrence. Memory: O(B·L·ED) for the inputs plus
+# one (B, ED, N) start state per chunk, plus O(B·T·ED·N) inside the chunk being worked on.
 
 def _scan_chunk(x, delta, A, B, C, h):
     """One chunk. x, delta: (B, T, ED); A: (ED, N); B, C: (B, T, N); h: (B, ED, N) start state.
@@ -177,20 +178,73 @@ def _scan_chunk(x, delta, A, B, C, h):
     return torch.stack(ys, dim=1), h  # (B, T, ED), (B, ED, N)
 
 
-_compiled_scan_chunk = None
+def _scan_chunk_backward(x, delta, A, B, C, h0, grad_y, grad_h):
+    """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states.
+
+    With G_t = dLoss/dh_t in total (through y_t = C_t·h_t and through every later state):
+        G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},    G_{T-1} = grad_y_{T-1}·C_{T-1} + grad_h
+    then, since h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t and dA_t = exp(Δ_t·A), summing over what each
+    input touches:
+        dC_t = Σ_ed grad_y_t·h_t      dB_t = Σ_ed G_t·Δ_t·x_t      dx_t = Δ_t·(G_t·B_t)
+        dΔ_t = x_t·(G_t·B_t) + Σ_n G_t·h_{t-1}·dA_t·A              dA = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t
+        dh0 = dA_0·G_0
+    Only the two recurrences are loops over t; every reduction is one batched op after them.
+    """
+    dA, dBx = discretize(x, delta, A, B)  # (B, T, ED, N)
+    hs, h = [], h0
+    for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):
+        h = torch.addcmul(dBx_t, dA_t, h)  # (B, ED, N)
+        hs.append(h)
+    H = torch.stack(hs, dim=1)  # (B, T, ED, N) h_t
+    H_prev = torch.cat([h0.unsqueeze(1), H[:, :-1]], dim=1)  # (B, T, ED, N) h_{t-1}
+    from_y = grad_y.unsqueeze(-1) * C.unsqueeze(2)  # (B, T, ED, N)
+    gs, g = [], grad_h
+    for from_y_t, dA_t in zip(reversed(from_y.unbind(1)), reversed(dA.unbind(1))):
+        g = g + from_y_t  # G_t
+        gs.append(g)
+        g = g * dA_t  # its share for h_{t-1}
+    G = torch.stack(gs[::-1], dim=1)  # (B, T, ED, N)
+    grad_h0 = g  # (B, ED, N)
+    GB = (G * B.unsqueeze(2)).sum(-1)  # (B, T, ED)
+    through_dA = G * H_prev * dA  # (B, T, ED, N)  dLoss/d(Δ·A)
+    grad_x = delta * GB  # (B, T, ED)
+    grad_delta = x * GB + (through_dA * A).sum(-1)  # (B, T, ED)
+    grad_A = (through_dA * delta.unsqueeze(-1)).sum((0, 1))  # (ED, N)
+    grad_B = (G * (delta * x).unsqueeze(-1)).sum(2)  # (B, T, N)
+    grad_C = (grad_y.unsqueeze(-1) * H).sum(2)  # (B, T, N)
+    return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_h0
 
 
-def _get_compiled_scan_chunk():
-    global _compiled_scan_chunk
-    if _compiled_scan_chunk is None:
-        _compiled_scan_chunk = torch.compile(_scan_chunk, dynamic=False, fullgraph=True)
-    return _compiled_scan_chunk
+_compiled = {}
 
 
-def chunked_selective_scan(x, delta, A, B, C, h0=None, chunk_size=16, recompute=False,
+def _maybe_compiled(fn, compile):
+    """fn itself, or its torch.compile'd version (made once, static shapes)."""
+    if not compile:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _compiled[fn]
+
+
+class _RecomputedChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, delta, A, B, C, h, compile):
+        ctx.compile = compile
+        ctx.save_for_backward(x, delta, A, B, C, h)  # the inputs only, no states
+        return _maybe_compiled(_scan_chunk, compile)(x, delta, A, B, C, h)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y, grad_h):
+        grads = _maybe_compiled(_scan_chunk_backward, ctx.compile)(*ctx.saved_tensors, grad_y, grad_h)
+        return (*grads, None)
+
+
+def chunked_selective_scan(x, delta, A, B, C, h0=None, chunk_size=16, recompute=True,
                            compile=False):
     """The scan chunk by chunk (fp32 inputs). Returns y (B, L, ED) without D, and the final state."""
-    if chunk_size < 1:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
     b, l, ed = x.shape
     T = chunk_size
@@ -199,14 +253,17 @@ def chunked_selective_scan(x, delta, A, B, C, h0=None, chunk_size=16, recompute=
         x, delta = F.pad(x, (0, 0, 0, pad)), F.pad(delta, (0, 0, 0, pad))  # (B, L+pad, ED)
         B, C = F.pad(B, (0, 0, 0, pad)), F.pad(C, (0, 0, 0, pad))  # (B, L+pad, N)
     h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (B, ED, N)
-    step = _get_compiled_scan_chunk() if compile else _scan_chunk
+    recompute = recompute and torch.is_grad_enabled()
+    step = _maybe_compiled(_scan_chunk, compile)
     ys = []
     for s in range(0, l + pad, T):
-        chunk = (x[:, s:s + T], delta[:, s:s + T], A, B[:, s:s + T], C[:, s:s + T], h)
-        if recompute and torch.is_grad_enabled():
-            y, h = torch.utils.checkpoint.checkpoint(step, *chunk, use_reentrant=False)
+        # contiguous chunks: their strides then do not depend on L, so neither does the compile
+        chunk = [t[:, s:s + T].contiguous() for t in (x, delta, B, C)]
+        x_c, delta_c, B_c, C_c = chunk  # (B, T, ED), (B, T, ED), (B, T, N), (B, T, N)
+        if recompute:
+            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, h, compile)
         else:
-            y, h = step(*chunk)
+            y, h = step(x_c, delta_c, A, B_c, C_c, h)
         ys.append(y)
     return torch.cat(ys, dim=1)[:, :l], h  # (B, L, ED), (B, ED, N)
 
@@ -239,7 +296,7 @@ class MambaConfig:
     scan_backend: str = "auto"
     compile_scan: bool = False
     chunk_size: int = 16
-    recompute: bool = False
+    recompute: bool = True  # chunked paths: hand-written, recomputing backward (vs plain autograd)
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "expand", "d_conv",

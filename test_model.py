@@ -351,3 +351,31 @@ def test_bad_config_raises():
         MambaConfig(d_model=0)
     with pytest.raises(ValueError, match="scan_backend must be one of"):
         MambaConfig(scan_backend="fast")
+
+
+# ------------------------------------------------------------------------------------------------
+# the compiled path (tens of seconds of compiling; deselect with -m "not compile")
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.compile
+def test_compiled_chunked_scan_matches_float64_reference():
+    # one chunk shape (B=2, T=4, ED=6, N=4) for every case, so Inductor compiles each graph once;
+    # L = 3 is shorter than a chunk and L = 10 is not a multiple of it
+    for L in (3, 10):
+        for recompute in (False, True):
+            inputs = [t.requires_grad_() for t in scan_inputs(l=L)]
+            y, h_last = mm.selective_scan(*inputs, compile=True, chunk_size=4, recompute=recompute,
+                                          return_last_state=True)
+            ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
+            y_ref, h_ref = reference_selective_scan(*ref_inputs)
+            torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(h_last, h_ref, rtol=1e-9, atol=1e-9)
+            gy, gh = torch.randn_like(y_ref), torch.randn_like(h_ref)
+            got = torch.autograd.grad((y, h_last), inputs, (gy, gh))
+            want = torch.autograd.grad((y_ref, h_ref), ref_inputs, (gy, gh))
+            for name, g, w in zip(["x", "delta", "A", "B", "C", "D", "z", "h0"], got, want):
+                torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-8,
+                                           msg=f"L={L} recompute={recompute}: gradient wrt {name}")
+    with torch.no_grad():  # inference compiles its own graph, without autograd
+        y = mm.selective_scan(*scan_inputs(l=10), compile=True, chunk_size=4)
+    torch.testing.assert_close(y, reference_selective_scan(*scan_inputs(l=10))[0], rtol=1e-9, atol=1e-9)

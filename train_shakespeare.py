@@ -54,8 +54,10 @@ def parse_args(argv=None):
     m.add_argument("--d-state", type=int, default=16)
     m.add_argument("--scan-backend", choices=["auto", "sequential", "pscan", "associative", "chunked"])
     m.add_argument("--compile", action="store_true", help="run the selective scan through the fused, compiled chunked path")
-    m.add_argument("--compile-model", action="store_true", help="also torch.compile the whole model")
-    m.add_argument("--recompute", action="store_true", help="recompute chunk states in the backward (less memory)")
+    m.add_argument("--compile-model", action="store_true",
+                   help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
+    m.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="chunked paths: plain autograd instead of the recomputing backward (more memory)")
     t = p.add_argument_group("training (defaults depend on the device)")
     t.add_argument("--block-size", type=int)
     t.add_argument("--batch-size", type=int, help="per process")
