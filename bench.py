@@ -134,6 +134,32 @@ SCAN_BACKENDS = {
 }
 
 
+def per_step_table(args, device):
+    """Does an awkward length cost more per step than a power of two? pscan only, all lengths
+    interleaved in one loop (separate tables drift with the machine's load)."""
+    inputs = {}
+    for L in (4096, 3000, 2049, 2048):
+        a = torch.rand(1, L, 256, 16, device=device, requires_grad=True)
+        b = torch.randn(1, L, 256, 16, device=device, requires_grad=True)
+        inputs[L] = (a, b, torch.randn_like(b))
+
+    def fwd(L):
+        with torch.no_grad():
+            ps.pscan(*inputs[L][:2])
+
+    def fb(L):
+        a, b, g = inputs[L]
+        a.grad = b.grad = None
+        ps.pscan(a, b).backward(g)
+
+    t_f = interleaved({L: (lambda L=L: fwd(L)) for L in inputs}, args.repeats, device)
+    t_b = interleaved({L: (lambda L=L: fb(L)) for L in inputs}, args.repeats, device)
+    rows = [[f"(1, {L}, 256, 16)", f"{t_f[L] / L * 1e3:.2f}", f"{t_f[L] / L / (t_f[4096] / 4096):.2f}",
+             f"{t_b[L] / L * 1e3:.2f}", f"{t_b[L] / L / (t_b[4096] / 4096):.2f}"] for L in inputs]
+    table("pscan cost per step (µs), and its ratio to L = 4096", ["(B, L, D, N)", "fwd µs/step", "ratio",
+                                                                   "fwd+bwd µs/step", "ratio"], rows)
+
+
 def bench_scan(args, device):
     shapes = [(1, L, 256, 16) for L in (256, 1024, 4096, 3000)]
     shapes += [(1, 4096, 16, 16), (1, 4096, 1536, 16)]  # widths 256 and 24576 per step
@@ -173,15 +199,8 @@ def bench_scan(args, device):
     table("h = scan(a, b): median ms; ratios to the loop and to the memory floor",
           ["(B, L, D, N)", "width", "backend", "fwd ms", "/loop", "/floor",
            "fwd+bwd ms", "/loop", "/floor"], rows)
-    # cost per step: does an awkward length cost more per step than a power of two?
-    per_step = {}
-    for r in rows:
-        if r[2] == "pscan" and r[0] in ("(1, 3000, 256, 16)", "(1, 4096, 256, 16)"):
-            L = int(r[0].split(",")[1])
-            per_step[L] = (float(r[3]) / L, float(r[6]) / L)
-    if len(per_step) == 2:
-        print(f"\npscan cost per step, L=3000 / L=4096: forward {per_step[3000][0] / per_step[4096][0]:.2f}x, "
-              f"forward+backward {per_step[3000][1] / per_step[4096][1]:.2f}x")
+    if not args.quick:
+        per_step_table(args, device)
     if mem_rows:
         table("peak memory of forward+backward, in (B, L, D, N) tensors beyond the inputs a, b and "
               "the incoming gradient", ["(B, L, D, N)", "backend", "tensors"], mem_rows)
