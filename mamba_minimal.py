@@ -237,7 +237,9 @@ class _RecomputedChunk(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_h):
-        grads = _maybe_compiled(_scan_chunk_backward, ctx.compile)(*ctx.saved_tensors, grad_y, grad_h)
+        # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
+        grads = _maybe_compiled(_scan_chunk_backward, ctx.compile)(*ctx.saved_tensors, grad_y.contiguous(),
+                                                                   grad_h.contiguous())
         return (*grads, None)
 
 
