@@ -29,7 +29,7 @@ The recurrence h_t = a_t·h_{t-1} + b_t itself lives in pscan.py; read that file
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 import torch
@@ -720,8 +720,3 @@ def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
     model = cls(cfg)
     model.load_state_dict(convert_state_dict(_load_state_dict_file(folder), model), strict=True)
     return model.to(device=device, dtype=dtype).eval()
-
-
-def config_to_dict(cfg: MambaConfig):
-    """The official config.json fields (plus ours), for saving."""
-    return asdict(cfg)

@@ -372,3 +372,19 @@ def test_compiled_chunked_scan_matches_float64_reference():
     with torch.no_grad():  # inference compiles its own graph, without autograd
         y = mm.selective_scan(*scan_inputs(l=10), compile=True, chunk_size=4)
     torch.testing.assert_close(y, reference_selective_scan(*scan_inputs(l=10))[0], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", EAGER_BACKENDS)
+def test_cuda_matches_the_float64_cpu_reference(backend):
+    inputs = scan_inputs(l=37, dtype=torch.float32)
+    y_ref, h_ref = reference_selective_scan(*inputs)
+    y, h = mm.selective_scan(*[t.cuda() for t in inputs], backend=backend, return_last_state=True)
+    torch.testing.assert_close(y.double().cpu(), y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h.double().cpu(), h_ref, rtol=1e-4, atol=1e-4)
+    model = tiny_model().eval()
+    ids = torch.randint(0, 21, (2, 19), generator=torch.Generator().manual_seed(8))
+    model.cfg.scan_backend = backend
+    expected = model.double()(ids)
+    got = model.float().cuda()(ids.cuda())
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-4, atol=1e-4)
