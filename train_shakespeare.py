@@ -360,7 +360,7 @@ def main(argv=None):
     if args.compile or args.compile_model:
         log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
     model.train()
-    t_start, t_last, step_at_last = time.time(), time.time(), step
+    t_start, t_last, step_at_last, step_at_start = time.time(), time.time(), step, step
     while step < args.max_iters:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -374,13 +374,15 @@ def main(argv=None):
         step += 1
         tokens += tokens_per_step
         elapsed = elapsed_before + time.time() - t_start
-        if step % args.log_interval == 0 or step == 1:
+        first_step = step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
+        if step % args.log_interval == 0 or first_step:
             now = time.time()
             dt = (now - t_last) / max(1, step - step_at_last)
             t_last, step_at_last = now, step
-            eta = dt * (args.max_iters - step)
+            speed = (f"first step {dt:.1f}s" if first_step else
+                     f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {dt * (args.max_iters - step):.0f}s")
             log(f"step {step}/{args.max_iters} | loss {loss.item():.4f} | lr {lr_at(step - 1):.2e} | "
-                f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | elapsed {elapsed:.0f}s | eta {eta:.0f}s")
+                f"{speed} | elapsed {elapsed:.0f}s")
         if step % args.eval_interval == 0 or step == args.max_iters:
             evaluate()
             if args.patience and bad_evals >= args.patience:
