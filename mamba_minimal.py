@@ -352,7 +352,8 @@ class MambaMixer(nn.Module):
         self.cfg = cfg
         ed, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
         self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
-        # depthwise (groups = channels), padded on the left only, so token t sees t-3 .. t
+        # depthwise (one filter per channel) and causal: token t sees t-3 .. t. Kept as the official
+        # nn.Conv1d so checkpoints load as they are; causal_conv below computes it.
         self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
         self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
@@ -385,13 +386,25 @@ class MambaMixer(nn.Module):
         delta = F.softplus(_at_least_fp32(self.dt_proj(dt)))  # (..., ED) Δ > 0
         return delta, B, C
 
+    def causal_conv(self, x):
+        """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-K+1+k} + bias.
+        The same sum `step` computes on its rolling buffer; faster on a CPU than nn.Conv1d here.
+        x: (B, L, ED) -> (B, L, ED)"""
+        K, L = self.cfg.d_conv, x.shape[1]
+        w = self.conv1d.weight[:, 0, :]  # (ED, K)
+        x_pad = F.pad(x, (0, 0, K - 1, 0))  # (B, K-1+L, ED) zeros before the first token
+        out = x_pad[:, 0:L] * w[:, 0]
+        for k in range(1, K):
+            out = torch.addcmul(out, x_pad[:, k:k + L], w[:, k])  # (B, L, ED)
+        return out if self.conv1d.bias is None else out + self.conv1d.bias
+
     def forward(self, hidden, want_cache=False):
         """hidden: (B, L, D) -> (B, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
         cfg = self.cfg
         L = hidden.shape[1]
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, L, ED) each
-        x_conv_in = x.transpose(1, 2)  # (B, ED, L)
-        x = F.silu(self.conv1d(x_conv_in)[..., :L].transpose(1, 2))  # (B, L, ED) causal conv
+        x_conv_in = x
+        x = F.silu(self.causal_conv(x))  # (B, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (B, L, ED), (B, L, N), (B, L, N)
         A = -torch.exp(_at_least_fp32(self.A_log))  # (ED, N)
         y, h_last = selective_scan(x, delta, A, B, C, self.D, z, backend=cfg.scan_backend,
@@ -401,7 +414,7 @@ class MambaMixer(nn.Module):
         if not want_cache:
             return out
         # the conv's rolling buffer: the last d_conv inputs, zeros before the first token
-        conv_state = F.pad(x_conv_in, (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (B, ED, d_conv)
+        conv_state = F.pad(x_conv_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (B, ED, d_conv)
         return out, (conv_state.to(self.conv1d.weight.dtype).contiguous(), h_last)
 
     def step(self, hidden, cache):
