@@ -219,7 +219,8 @@ def load_for_sampling(args, device):
     if not os.path.exists(path):
         sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    model = MambaLM(MambaConfig(**ckpt["config"]))
+    # a prompt is read once: compiling the scan for it would cost more than it saves
+    model = MambaLM(MambaConfig(**{**ckpt["config"], "compile_scan": False}))
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt
 
@@ -404,6 +405,7 @@ def main(argv=None):
                                 "full_val_loss": full_val}) + "\n")
         if not args.no_sample:
             print("-" * 80)
+            raw_model.cfg.compile_scan = False  # one short prompt: not worth a compile
             sample(raw_model.eval(), chars, "\n", 300, args.temperature, args.top_k, device)
     if ddp:
         dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
