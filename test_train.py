@@ -123,3 +123,16 @@ def test_two_process_ddp_run_on_cpu_completes(text_file, tmp_path):
     assert ckpt["step"] == 8
     assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [4, 8]
     assert evals(out_dir)[-1]["tokens"] == 8 * 2 * 4 * 16  # steps x processes x batch x block
+
+
+@pytest.mark.compile
+def test_compiled_training_follows_the_eager_run(text_file, tmp_path, capsys):
+    common = ["--data", text_file, "--max-iters", "6", "--eval-interval", "3"] + TINY
+    run(common + ["--out-dir", str(tmp_path / "eager")], capsys)
+    out = run(common + ["--out-dir", str(tmp_path / "compiled"), "--compile"], capsys)
+    assert "compiling" in out
+    eager = [r["val_loss"] for r in evals(str(tmp_path / "eager")) if "val_loss" in r]
+    compiled = [r["val_loss"] for r in evals(str(tmp_path / "compiled")) if "val_loss" in r]
+    assert len(eager) == len(compiled) == 2
+    for e, c in zip(eager, compiled):
+        assert abs(e - c) < 1e-4
