@@ -396,6 +396,7 @@ def main(argv=None):
     if os.path.exists(best_path):
         raw_model.load_state_dict(torch.load(best_path, map_location="cpu", weights_only=False)["model"])
     starts = torch.arange(0, len(val_data) - args.block_size, args.block_size)
+    raw_model.cfg.compile_scan = False  # its last, smaller batch would cost a compile of its own
     full_val = mean_loss(model, val_data, starts, args, device, autocast)
     log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
         f"loss {full_val:.4f} (best checkpoint)")
@@ -405,7 +406,6 @@ def main(argv=None):
                                 "full_val_loss": full_val}) + "\n")
         if not args.no_sample:
             print("-" * 80)
-            raw_model.cfg.compile_scan = False  # one short prompt: not worth a compile
             sample(raw_model.eval(), chars, "\n", 300, args.temperature, args.top_k, device)
     if ddp:
         dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
