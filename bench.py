@@ -410,9 +410,6 @@ def main():
         return memory_case(json.loads(args.memory_case))
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"torch {torch.__version__}, {device}"
-          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else f", {platform.processor() or platform.machine()}")
-          + f", {torch.get_num_threads()} thread(s)")
     tables = {"scan": bench_scan, "selective": bench_selective, "train": bench_train, "generate": bench_generate}
     whats = args.what or ["scan"]
     if whats == ["all"]:
@@ -420,7 +417,18 @@ def main():
     for what in whats:
         if what not in tables:
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")
-        tables[what](args, device)
+    if len(whats) > 1:
+        # one fresh process per table: the eager backends' speed depends on the allocator's state
+        # (see the README), which an earlier table would otherwise leave behind
+        flags = [a for a in sys.argv[1:] if a not in tables and a != "all"]
+        for what in whats:
+            sys.stdout.flush()
+            subprocess.run([sys.executable, os.path.abspath(__file__), what] + flags, check=True)
+        return
+    print(f"torch {torch.__version__}, {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device.type == "cuda" else f", {platform.processor() or platform.machine()}")
+          + f", {torch.get_num_threads()} thread(s)")
+    tables[whats[0]](args, device)
 
 
 if __name__ == "__main__":
