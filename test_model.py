@@ -219,6 +219,19 @@ def test_prefill_then_steps_reproduce_the_parallel_forward(prompt_len):
         torch.testing.assert_close(step_logits, full[:, t], rtol=0, atol=1e-5, msg=f"position {t}")
 
 
+@pytest.mark.parametrize("config", [dict(d_conv=2), dict(d_conv=6, conv_bias=False, bias=True),
+                                    dict(residual_in_fp32=False, tie_embeddings=False, expand=3, d_state=5)],
+                         ids=["d_conv=2", "d_conv=6,biases", "no-fp32-residual,untied,expand=3"])
+def test_recurrent_step_follows_the_forward_for_other_configs(config):
+    model = tiny_model(**config).eval()
+    ids = torch.randint(0, 21, (2, 12), generator=torch.Generator().manual_seed(9))
+    full = model(ids)
+    logits, cache = model.prefill(ids[:, :2])
+    torch.testing.assert_close(logits, full[:, :2], rtol=0, atol=1e-5)
+    for t in range(2, 12):
+        torch.testing.assert_close(model.step(ids[:, t], cache), full[:, t], rtol=0, atol=1e-5)
+
+
 def test_greedy_generate_equals_teacher_forced_argmax():
     model = tiny_model().eval()
     prompt = torch.randint(0, 21, (2, 5), generator=torch.Generator().manual_seed(4))
