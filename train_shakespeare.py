@@ -310,8 +310,12 @@ def main(argv=None):
         step, best_val = ckpt["step"], ckpt["best_val"]
         elapsed_before, tokens_before = ckpt["elapsed"], ckpt["tokens"]
         log(f"resumed from {last_path} at step {step} (best val {best_val:.4f})")
-    elif RANK == 0 and os.path.exists(log_path):
-        os.remove(log_path)  # a fresh run starts a fresh curve
+    else:
+        if os.path.exists(last_path):
+            log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
+                f"log (use --resume to continue it, or another --out-dir to keep it)")
+        if RANK == 0 and os.path.exists(log_path):
+            os.remove(log_path)  # a fresh run starts a fresh curve
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(train_data):,} train / "
         f"{len(val_data):,} val characters, device {device}, {WORLD} process(es), "
