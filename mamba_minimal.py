@@ -403,9 +403,8 @@ class MambaMixer(nn.Module):
         """hidden: (B, L, D) -> (B, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
         cfg = self.cfg
         L = hidden.shape[1]
-        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, L, ED) each
-        x_conv_in = x
-        x = F.silu(self.causal_conv(x))  # (B, L, ED)
+        x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, L, ED) each
+        x = F.silu(self.causal_conv(x_in))  # (B, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (B, L, ED), (B, L, N), (B, L, N)
         A = -torch.exp(_at_least_fp32(self.A_log))  # (ED, N)
         y, h_last = selective_scan(x, delta, A, B, C, self.D, z, backend=cfg.scan_backend,
@@ -415,7 +414,7 @@ class MambaMixer(nn.Module):
         if not want_cache:
             return out
         # the conv's rolling buffer: the last d_conv inputs, zeros before the first token
-        conv_state = F.pad(x_conv_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (B, ED, d_conv)
+        conv_state = F.pad(x_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (B, ED, d_conv)
         return out, (conv_state.to(self.conv1d.weight.dtype).contiguous(), h_last)
 
     def step(self, hidden, cache):
