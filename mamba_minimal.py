@@ -62,7 +62,7 @@ def _at_least_fp32(t):
 # negative A keeps every decay exp(Δ·A) in (0, 1), so the recurrence stays stable.
 
 def discretize(x, delta, A, B):
-    """The step of the recurrence for every token.
+    """The step of the recurrence for every token (or for one token: drop the L below).
 
     Args:
         x:     (B, L, ED)  input of the scan
@@ -74,7 +74,7 @@ def discretize(x, delta, A, B):
         dBx: (B, L, ED, N)  Δ·B·x         Euler step
     """
     dA = torch.exp(delta.unsqueeze(-1) * A)  # (B, L, ED, N)
-    dBx = (delta * x).unsqueeze(-1) * B.unsqueeze(2)  # (B, L, ED, N)
+    dBx = (delta * x).unsqueeze(-1) * B.unsqueeze(-2)  # (B, L, ED, N)
     return dA, dBx
 
 
@@ -380,6 +380,11 @@ class MambaMixer(nn.Module):
         self.A_log.copy_(torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float32)).repeat(cfg.d_inner, 1))
         self.D.fill_(1.0)
 
+    @property
+    def A(self):
+        """A = -exp(A_log) (ED, N), in fp32 even in a bf16 model: the decays exp(Δ·A) need it."""
+        return -torch.exp(_at_least_fp32(self.A_log))
+
     def _ssm_inputs(self, x):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
@@ -406,8 +411,7 @@ class MambaMixer(nn.Module):
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, L, ED) each
         x = F.silu(self.causal_conv(x_in))  # (B, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (B, L, ED), (B, L, N), (B, L, N)
-        A = -torch.exp(_at_least_fp32(self.A_log))  # (ED, N)
-        y, h_last = selective_scan(x, delta, A, B, C, self.D, z, backend=cfg.scan_backend,
+        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
                                    compile=cfg.compile_scan, return_last_state=True,
                                    chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (B, L, ED)
         out = self.out_proj(y)  # (B, L, D)
@@ -428,10 +432,8 @@ class MambaMixer(nn.Module):
             x = x + self.conv1d.bias
         x = F.silu(x)  # (B, ED)
         delta, B, C = self._ssm_inputs(x)  # (B, ED), (B, N), (B, N)
-        A = -torch.exp(_at_least_fp32(self.A_log))  # (ED, N)
         x32, B, C, z = (_at_least_fp32(t) for t in (x, B, C, z))
-        dA = torch.exp(delta.unsqueeze(-1) * A)  # (B, ED, N)
-        dBx = (delta * x32).unsqueeze(-1) * B.unsqueeze(1)  # (B, ED, N)
+        dA, dBx = discretize(x32, delta, self.A, B)  # (B, ED, N) each: one token
         ssm_state.copy_(torch.addcmul(dBx, dA, ssm_state))  # h = dA·h + dB·x
         y = (ssm_state @ C.unsqueeze(-1)).squeeze(-1)  # (B, ED)
         y = (y + self.D.to(x32.dtype) * x32) * F.silu(z)  # (B, ED)
