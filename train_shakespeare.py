@@ -342,6 +342,10 @@ def main(argv=None):
                      "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "tokens": tokens,
                      "args": vars(args)}, path)
 
+    def append_log(**losses):  # one JSON object per line in log.jsonl
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens, **losses}) + "\n")
+
     def evaluate():
         nonlocal best_val, bad_evals
         train_loss = mean_loss(model, train_data, train_starts, args, device, autocast)
@@ -352,9 +356,7 @@ def main(argv=None):
         log(f"eval step {step}: train {train_loss:.4f}, val {val_loss:.4f}"
             f"{' (best)' if improved else ''}, {elapsed:.0f}s")
         if RANK == 0:
-            with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens,
-                                    "train_loss": train_loss, "val_loss": val_loss}) + "\n")
+            append_log(train_loss=train_loss, val_loss=val_loss)
             if improved:
                 save(best_path)
             save(last_path)
@@ -405,9 +407,7 @@ def main(argv=None):
     log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
         f"loss {full_val:.4f} (best checkpoint)")
     if RANK == 0:
-        with open(log_path, "a") as f:
-            f.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens,
-                                "full_val_loss": full_val}) + "\n")
+        append_log(full_val_loss=full_val)
         if not args.no_sample:
             print("-" * 80)
             sample(raw_model.eval(), chars, "\n", 300, args.temperature, args.top_k, device)
