@@ -103,6 +103,15 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend):
             raise ValueError(f"{name} must have shape {expected[name]}, got {tuple(t.shape)}")
 
 
+def skip_and_gate(y, x, D, z):
+    """The last two steps of the selective scan: y + D·x, then the gate SiLU(z). (B, L, ED)."""
+    if D is not None:
+        y = y + D * x
+    if z is not None:
+        y = y * F.silu(z)
+    return y
+
+
 def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
                    return_last_state=False, chunk_size=16, recompute=True):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z).
@@ -125,17 +134,15 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
     _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend)
     out_dtype = x.dtype
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
+    D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     if compile or backend == "chunked":
-        y, h_last = chunked_selective_scan(x, delta, A, B, C, h0, chunk_size, recompute, compile)
+        y, h_last = chunked_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
     else:
         dA, dBx = discretize(x, delta, A, B)  # (B, L, ED, N) each
         h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (B, L, ED, N)
         y = (h @ C.unsqueeze(-1)).squeeze(-1)  # (B, L, ED)  y_t = C_t·h_t
+        y = skip_and_gate(y, x, D, z)  # (B, L, ED)
         h_last = h[:, -1]  # (B, ED, N)
-    if D is not None:
-        y = y + D.to(x.dtype) * x  # (B, L, ED)
-    if z is not None:
-        y = y * F.silu(z.to(x.dtype))  # (B, L, ED)
     y = y.to(out_dtype)
     return (y, h_last) if return_last_state else y
 
@@ -167,23 +174,29 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
 # from the start state and runs the reverse recurrence. Memory: O(B·L·ED) for the inputs plus
 # one (B, ED, N) start state per chunk, plus O(B·T·ED·N) inside the chunk being worked on.
 
-def _scan_chunk(x, delta, A, B, C, h):
-    """One chunk. x, delta: (B, T, ED); A: (ED, N); B, C: (B, T, N); h: (B, ED, N) start state.
-    Returns y (B, T, ED) without the D skip, and the end state (B, ED, N)."""
+def _scan_chunk(x, delta, A, B, C, D, z, h):
+    """One chunk. x, delta, z: (B, T, ED); A: (ED, N); B, C: (B, T, N); D: (ED,); h: (B, ED, N)
+    start state; D and z may be None. Returns y (B, T, ED) and the end state (B, ED, N).
+    The skip D·x and the gate SiLU(z) are applied here, as the official kernel does: inside the
+    fused chunk they cost nothing, outside they are three more passes over (B, L, ED)."""
     dA, dBx = discretize(x, delta, A, B)  # (B, T, ED, N), one chunk only
     ys = []
     for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C.unbind(1)):
         h = torch.addcmul(dBx_t, dA_t, h)  # (B, ED, N)
         ys.append((h * C_t.unsqueeze(1)).sum(-1))  # (B, ED)
-    return torch.stack(ys, dim=1), h  # (B, T, ED), (B, ED, N)
+    return skip_and_gate(torch.stack(ys, dim=1), x, D, z), h  # (B, T, ED), (B, ED, N)
 
 
-def _scan_chunk_backward(x, delta, A, B, C, h0, grad_y, grad_h):
+def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
     """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states.
 
-    With G_t = dLoss/dh_t in total (through y_t = C_t·h_t and through every later state):
+    The skip and the gate first. With y_t = C_t·h_t the scan's own output and
+    out = (y + D·x)·SiLU(z), where SiLU'(z) = σ(z)·(1 + z·(1 - σ(z))):
+        grad_y = grad_out·SiLU(z)     dz = grad_out·(y + D·x)·SiLU'(z)
+        dD = Σ_{b,t} grad_y·x         dx gets grad_y·D
+    Then the scan. With G_t = dLoss/dh_t in total (through y_t and through every later state):
         G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},    G_{T-1} = grad_y_{T-1}·C_{T-1} + grad_h
-    then, since h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t and dA_t = exp(Δ_t·A), summing over what each
+    and, since h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t and dA_t = exp(Δ_t·A), summing over what each
     input touches:
         dC_t = Σ_ed grad_y_t·h_t      dB_t = Σ_ed G_t·Δ_t·x_t      dx_t = Δ_t·(G_t·B_t)
         dΔ_t = x_t·(G_t·B_t) + Σ_n G_t·h_{t-1}·dA_t·A              dA = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t
@@ -196,6 +209,12 @@ def _scan_chunk_backward(x, delta, A, B, C, h0, grad_y, grad_h):
     hs = [h0]
     for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):
         hs.append(torch.addcmul(dBx_t, dA_t, hs[-1]))  # h_t (B, ED, N)
+    grad_y, grad_z = grad_out, None  # (B, T, ED)
+    if z is not None:
+        y = torch.stack([(h_t * C_t.unsqueeze(1)).sum(-1) for h_t, C_t in zip(hs[1:], C.unbind(1))], dim=1)
+        sig = torch.sigmoid(z)
+        grad_z = grad_out * skip_and_gate(y, x, D, None) * sig * (1 + z * (1 - sig))
+        grad_y = grad_out * z * sig  # grad_out·SiLU(z)
     g, grad_A = grad_h, torch.zeros_like(A)  # g: G_t as the loop walks back
     grads = []  # (dx_t, dΔ_t, dB_t, dC_t), last step first
     steps = zip(x.unbind(1), delta.unbind(1), B.unbind(1), C.unbind(1), grad_y.unbind(1),
@@ -211,62 +230,76 @@ def _scan_chunk_backward(x, delta, A, B, C, h0, grad_y, grad_h):
                       (grad_y_t.unsqueeze(-1) * h_t).sum(1)))  # dC_t (B, N)
         g = g * dA_t  # G_t's share for h_{t-1}
     grad_x, grad_delta, grad_B, grad_C = (torch.stack(per_step[::-1], dim=1) for per_step in zip(*grads))
-    return grad_x, grad_delta, grad_A, grad_B, grad_C, g  # the last g is dh0
+    grad_D = None
+    if D is not None:
+        grad_D = (grad_y * x).sum((0, 1))  # (ED,)
+        grad_x = grad_x + grad_y * D
+    return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, g  # the last g is dh0
 
 
 _compiled = {}
 
 
-def _maybe_compiled(fn, compile):
-    """fn itself, or its torch.compile'd version (made once, static shapes)."""
+def _maybe_compiled(fn, compile, device):
+    """fn itself, or its torch.compile'd version (made once per device type, static shapes)."""
     if not compile:
         return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
-    return _compiled[fn]
+    key = (fn, device.type)
+    if key not in _compiled:
+        # Every chunk is one call of the compiled function, and each call has a fixed cost (guards,
+        # wrappers, output allocation) that a CPU pays in Python: ~35 us here against ~40 us for
+        # the kernel itself at B·ED = 256. Inductor's C++ wrapper removes a good part of it.
+        options = {"cpp_wrapper": True} if device.type == "cpu" else None
+        _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+    return _compiled[key]
 
 
 class _RecomputedChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, delta, A, B, C, h, compile):
+    def forward(ctx, x, delta, A, B, C, D, z, h, compile):
         ctx.compile = compile
-        ctx.save_for_backward(x, delta, A, B, C, h)  # the inputs only, no states
-        return _maybe_compiled(_scan_chunk, compile)(x, delta, A, B, C, h)
+        ctx.save_for_backward(x, delta, A, B, C, D, z, h)  # the inputs only, no states
+        return _maybe_compiled(_scan_chunk, compile, x.device)(x, delta, A, B, C, D, z, h)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_h):
         # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
-        grads = _maybe_compiled(_scan_chunk_backward, ctx.compile)(*ctx.saved_tensors, grad_y.contiguous(),
-                                                                   grad_h.contiguous())
+        backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
+        grads = backward(*ctx.saved_tensors, grad_y.contiguous(), grad_h.contiguous())
         return (*grads, None)
 
 
-def chunked_selective_scan(x, delta, A, B, C, h0=None, chunk_size=16, recompute=True,
-                           compile=False):
-    """The scan chunk by chunk (fp32 inputs). Returns y (B, L, ED) without D, and the final state."""
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
+                           recompute=True, compile=False):
+    """The scan chunk by chunk (fp32 inputs). Returns y (B, L, ED) and the final state (B, ED, N)."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     b, l, ed = x.shape
     T = chunk_size
     pad = (-l) % T
-    if pad:  # identity steps: Δ = 0 gives dA = 1, dBx = 0
-        x, delta = F.pad(x, (0, 0, 0, pad)), F.pad(delta, (0, 0, 0, pad))  # (B, L+pad, ED)
-        B, C = F.pad(B, (0, 0, 0, pad)), F.pad(C, (0, 0, 0, pad))  # (B, L+pad, N)
+    if pad:  # identity steps: Δ = 0 gives dA = 1, dBx = 0 (their outputs are dropped)
+        x, delta, B, C, z = (None if t is None else F.pad(t, (0, 0, 0, pad)) for t in (x, delta, B, C, z))
     h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (B, ED, N)
-    recompute = recompute and torch.is_grad_enabled()
-    step = _maybe_compiled(_scan_chunk, compile)
+    recompute = recompute and needs_grad
+    step = _maybe_compiled(_scan_chunk, compile, x.device)
+
+    def chunks(t):
+        # split, not t[:, s:s+T]: autograd's backward of a slice writes a zero tensor of the whole
+        # sequence per chunk (quadratic in L), a split's backward is one cat. Contiguous chunks:
+        # their strides then do not depend on L, so neither does the compile.
+        if t is None:
+            return [None] * ((l + pad) // T)
+        return [c.contiguous() for c in t.split(T, dim=1)]  # (B, T, ED|N) each
+
     ys = []
-    # split, not x[:, s:s+T]: autograd's backward of a slice writes a zero tensor of the whole
-    # sequence per chunk (quadratic in L), a split's backward is one cat. Contiguous chunks: their
-    # strides then do not depend on L, so neither does the compile.
-    chunks = zip(*(t.split(T, dim=1) for t in (x, delta, B, C)))
-    for x_c, delta_c, B_c, C_c in chunks:
-        x_c, delta_c, B_c, C_c = (t.contiguous() for t in (x_c, delta_c, B_c, C_c))  # (B, T, ED|N)
+    for x_c, delta_c, B_c, C_c, z_c in zip(*map(chunks, (x, delta, B, C, z))):
         if recompute:
-            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, h, compile)
+            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile)
         else:
-            y, h = step(x_c, delta_c, A, B_c, C_c, h)
+            y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h)
         ys.append(y)
     return torch.cat(ys, dim=1)[:, :l], h  # (B, L, ED), (B, ED, N)
 
@@ -436,7 +469,7 @@ class MambaMixer(nn.Module):
         dA, dBx = discretize(x32, delta, self.A, B)  # (B, ED, N) each: one token
         ssm_state.copy_(torch.addcmul(dBx, dA, ssm_state))  # h = dA·h + dB·x
         y = (ssm_state @ C.unsqueeze(-1)).squeeze(-1)  # (B, ED)
-        y = (y + self.D.to(x32.dtype) * x32) * F.silu(z)  # (B, ED)
+        y = skip_and_gate(y, x32, self.D.to(x32.dtype), z)  # (B, ED)
         return self.out_proj(y.to(x.dtype))  # (B, D)
 
 

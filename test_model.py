@@ -90,6 +90,21 @@ def test_selective_scan_without_optional_inputs():
         torch.testing.assert_close(mm.selective_scan(x, delta, A, B, C, backend=backend), y_ref)
 
 
+@pytest.mark.parametrize("keep", ["D", "z", "neither"])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_chunked_gradients_without_skip_or_gate(keep, recompute):
+    # the chunk applies D·x and the gate itself; each may be absent, and then gets no gradient
+    x, delta, A, B, C, D, z, h0 = (t.requires_grad_() for t in scan_inputs(l=21))
+    D, z = (D if keep == "D" else None), (z if keep == "z" else None)
+    inputs = [t for t in (x, delta, A, B, C, D, z, h0) if t is not None]
+    y = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="chunked", chunk_size=8, recompute=recompute)
+    y_ref, _ = reference_selective_scan(x, delta, A, B, C, D, z, h0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    gy = torch.randn_like(y_ref)
+    for g, w in zip(torch.autograd.grad(y, inputs, gy), torch.autograd.grad(y_ref, inputs, gy)):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
 def test_selective_scan_half_inputs_keep_fp32_state():
     x, delta, A, B, C, D, z, h0 = scan_inputs(dtype=torch.float32)
     y_ref, h_ref = reference_selective_scan(x, delta, A, B, C, D, z, h0)
@@ -369,6 +384,8 @@ def test_bad_config_raises():
         MambaConfig(d_model=0)
     with pytest.raises(ValueError, match="scan_backend must be one of"):
         MambaConfig(scan_backend="fast")
+    with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 0"):
+        MambaConfig(chunk_size=0)
 
 
 # ------------------------------------------------------------------------------------------------
