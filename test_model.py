@@ -1,6 +1,7 @@
 """Specification of mamba_minimal.py: the selective scan, the model, recurrent inference, loading."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import mamba_minimal as mm
 from mamba_minimal import MambaConfig, MambaLM
 
 EAGER_BACKENDS = ["sequential", "pscan", "associative", "chunked"]
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def reference_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None):
@@ -132,6 +134,25 @@ def test_selective_scan_bad_shapes_raise(change, message):
     change(args)
     with pytest.raises(ValueError, match=message):
         mm.selective_scan(*args)
+
+
+def test_compiled_forward_falls_back_to_a_loop_of_chunks_with_a_warning(monkeypatch):
+    # a torch whose compiler rejects the scan operator: warn once, then loop over chunks in Python
+    def pretend_compile(fn, compile, device):
+        def rejected(*args):
+            raise torch._dynamo.exc.Unsupported("scan is not supported")
+        return rejected if fn is mm._chunk_loop else fn  # the chunk itself runs eagerly here
+
+    monkeypatch.setattr(mm, "_maybe_compiled", pretend_compile)
+    monkeypatch.setattr(mm, "_compiled_loop_works", True)
+    inputs = scan_inputs(l=13)
+    with torch.no_grad(), pytest.warns(UserWarning, match="compiling the loop over chunks failed"):
+        y = mm.selective_scan(*inputs, compile=True, chunk_size=4)
+    torch.testing.assert_close(y, reference_selective_scan(*inputs)[0], rtol=1e-10, atol=1e-10)
+    assert mm._compiled_loop_works is False
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # not again
+        mm.selective_scan(*inputs, compile=True, chunk_size=4)
 
 
 def test_selective_scan_unknown_backend_and_chunk_size_raise():
@@ -399,9 +420,21 @@ def test_compiled_chunked_scan_matches_float64_reference():
     for L in (3, 10):
         for recompute in (False, True):
             assert_matches_reference(L, tol=1e-9, compile=True, chunk_size=4, recompute=recompute)
-    with torch.no_grad():  # inference compiles its own graph, without autograd
-        y = mm.selective_scan(*scan_inputs(l=10), compile=True, chunk_size=4)
-    torch.testing.assert_close(y, reference_selective_scan(*scan_inputs(l=10))[0], rtol=1e-9, atol=1e-9)
+    with torch.no_grad():  # forward only: the loop over chunks is compiled too (torch's scan operator)
+        for L in (10, 3):  # 3 chunks, then 1 (a size of 1 is a graph of its own)
+            y, h = mm.selective_scan(*scan_inputs(l=L), compile=True, chunk_size=4, return_last_state=True)
+            y_ref, h_ref = reference_selective_scan(*scan_inputs(l=L))
+            torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(h, h_ref, rtol=1e-9, atol=1e-9)
+    if TORCH_VERSION >= (2, 7):  # older torch cannot compile the scan operator and loops in Python
+        assert mm._compiled_loop_works
+    if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6
+        # a new length, so a new number of chunks, runs the code compiled above in both modes
+        with torch.compiler.set_stance("fail_on_recompile"):
+            with torch.no_grad():
+                y = mm.selective_scan(*scan_inputs(l=30), compile=True, chunk_size=4)
+            torch.testing.assert_close(y, reference_selective_scan(*scan_inputs(l=30))[0], rtol=1e-9, atol=1e-9)
+            assert_matches_reference(21, tol=1e-9, compile=True, chunk_size=4, recompute=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
