@@ -265,15 +265,22 @@ class _RecomputedChunk(torch.autograd.Function):
     def forward(ctx, x, delta, A, B, C, D, z, h, compile):
         ctx.compile = compile
         ctx.save_for_backward(x, delta, A, B, C, D, z, h)  # the inputs only, no states
-        return _maybe_compiled(_scan_chunk, compile, x.device)(x, delta, A, B, C, D, z, h)
+        return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_h):
         # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
         backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
-        grads = backward(*ctx.saved_tensors, grad_y.contiguous(), grad_h.contiguous())
+        grads = backward(*_detached(*ctx.saved_tensors), grad_y.contiguous(), grad_h.contiguous())
         return (*grads, None)
+
+
+def _detached(*tensors):
+    # The first chunk's start state is a plain zero tensor, the later ones come out of autograd
+    # and require grad. The compiled code guards on requires_grad, so without this the first
+    # chunk and the others would each compile their own copy of the same graph.
+    return [None if t is None else t.detach() for t in tensors]
 
 
 def _chunk_loop(x, delta, A, B, C, D, z, h):
