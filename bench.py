@@ -224,6 +224,7 @@ SELECTIVE_VARIANTS = {
     "chunked eager + recompute": dict(backend="chunked", recompute=True),
     "compiled": dict(compile=True, recompute=False),
     "compiled + recompute": dict(compile=True, recompute=True),
+    "compiled, loop too": dict(compile="loop", recompute=False),  # forward only, long shape only
 }
 
 
@@ -238,6 +239,8 @@ def bench_selective(args, device):
         inputs = selective_inputs(*shape, device=device, requires_grad=True)
         variants = dict(SELECTIVE_VARIANTS)
         long = shape[1] >= 2048
+        if not long:  # with a backward it runs as "compiled"
+            variants.pop("compiled, loop too")
         if long and device.type == "cpu":  # forward only on the CPU: recompute changes nothing
             variants.pop("compiled + recompute")
             variants.pop("chunked eager + recompute")

@@ -91,9 +91,14 @@ def discretize(x, delta, A, B):
 # the states h as (B, L, ED, N) tensors and hand the recurrence to pscan.scan. Everything runs in
 # fp32 whatever the input dtype: the state sums hundreds of small contributions.
 
-def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend):
+COMPILE_MODES = (False, True, "loop")
+
+
+def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
     if backend not in SCAN_BACKENDS:
         raise ValueError(f"backend must be one of {SCAN_BACKENDS}, got {backend!r}")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     if x.dim() != 3:
         raise ValueError(f"x must have shape (B, L, ED), got {tuple(x.shape)}")
     b, l, ed = x.shape
@@ -132,12 +137,15 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
         h0:      (B, ED, N)  initial state, or None for zeros
         backend: "sequential", "pscan", "associative" (pscan.py over materialized tensors),
                  "chunked" (section 3) or "auto" (pscan.scan's choice)
-        compile: run the chunked path through torch.compile (implies backend="chunked")
+        compile: False; True to run the chunked path through torch.compile (implies
+                 backend="chunked"), chunk by chunk; "loop" to compile, for forward-only passes,
+                 the loop over chunks as well (section 3: faster on long sequences, but every new
+                 process compiles it again)
         chunk_size, recompute: see section 3
     Returns:
         y: (B, L, ED) in x's dtype, and with return_last_state the final state (B, ED, N) in fp32
     """
-    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend)
+    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile)
     out_dtype = x.dtype
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
@@ -345,7 +353,7 @@ def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_siz
         x, delta, B, C, z = (None if t is None else F.pad(t, (0, 0, 0, pad)) for t in (x, delta, B, C, z))
     h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (B, ED, N)
     recompute = recompute and needs_grad
-    if compile and not needs_grad and _compiled_loop_works:
+    if compile == "loop" and not needs_grad and _compiled_loop_works:
         out = _forward_in_one_call(x, delta, A, B, C, D, z, h, T)
         if out is not None:
             return out[0][:, :l], out[1]  # (B, L, ED), (B, ED, N)
@@ -395,7 +403,7 @@ class MambaConfig:
     residual_in_fp32: bool = True
     # how to run the selective scan (not part of a checkpoint's identity)
     scan_backend: str = "auto"
-    compile_scan: bool = False
+    compile_scan: Union[bool, str] = False  # False, True or "loop": selective_scan's compile
     chunk_size: int = 16
     recompute: bool = True  # chunked paths: hand-written, recomputing backward (vs plain autograd)
 
@@ -411,6 +419,8 @@ class MambaConfig:
             raise ValueError(f"MambaConfig.dt_rank must be 'auto' or a positive integer, got {self.dt_rank!r}")
         if self.scan_backend not in SCAN_BACKENDS:
             raise ValueError(f"MambaConfig.scan_backend must be one of {SCAN_BACKENDS}, got {self.scan_backend!r}")
+        if self.compile_scan not in COMPILE_MODES:
+            raise ValueError(f"MambaConfig.compile_scan must be one of {COMPILE_MODES}, got {self.compile_scan!r}")
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
 

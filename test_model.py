@@ -136,23 +136,38 @@ def test_selective_scan_bad_shapes_raise(change, message):
         mm.selective_scan(*args)
 
 
-def test_compiled_forward_falls_back_to_a_loop_of_chunks_with_a_warning(monkeypatch):
-    # a torch whose compiler rejects the scan operator: warn once, then loop over chunks in Python
+def test_compile_modes_choose_the_loop_over_chunks(monkeypatch):
+    # which functions each mode hands to the compiler (here: runs them eagerly), and the fallback
+    # for a torch whose compiler rejects the scan operator: warn once, then loop in Python
+    asked = []
+
     def pretend_compile(fn, compile, device):
+        asked.append(fn.__name__ if compile else None)
+
         def rejected(*args):
             raise torch._dynamo.exc.Unsupported("scan is not supported")
-        return rejected if fn is mm._chunk_loop else fn  # the chunk itself runs eagerly here
+        return rejected if fn is mm._chunk_loop and reject else fn
 
     monkeypatch.setattr(mm, "_maybe_compiled", pretend_compile)
     monkeypatch.setattr(mm, "_compiled_loop_works", True)
-    inputs = scan_inputs(l=13)
+    inputs, y_ref = scan_inputs(l=13), reference_selective_scan(*scan_inputs(l=13))[0]
+    reject = False
+    with torch.no_grad():
+        for compile, wanted in ((True, ["_scan_chunk"]), ("loop", ["_chunk_loop"])):
+            asked.clear()
+            y = mm.selective_scan(*inputs, compile=compile, chunk_size=4)
+            torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+            assert asked == wanted, compile
+    reject = True
     with torch.no_grad(), pytest.warns(UserWarning, match="compiling the loop over chunks failed"):
-        y = mm.selective_scan(*inputs, compile=True, chunk_size=4)
-    torch.testing.assert_close(y, reference_selective_scan(*inputs)[0], rtol=1e-10, atol=1e-10)
+        y = mm.selective_scan(*inputs, compile="loop", chunk_size=4)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     assert mm._compiled_loop_works is False
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # not again
-        mm.selective_scan(*inputs, compile=True, chunk_size=4)
+        mm.selective_scan(*inputs, compile="loop", chunk_size=4)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        mm.selective_scan(*inputs, compile="fast")
 
 
 def test_selective_scan_unknown_backend_and_chunk_size_raise():
@@ -407,6 +422,8 @@ def test_bad_config_raises():
         MambaConfig(scan_backend="fast")
     with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 0"):
         MambaConfig(chunk_size=0)
+    with pytest.raises(ValueError, match="compile_scan must be one of"):
+        MambaConfig(compile_scan="always")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -420,9 +437,9 @@ def test_compiled_chunked_scan_matches_float64_reference():
     for L in (3, 10):
         for recompute in (False, True):
             assert_matches_reference(L, tol=1e-9, compile=True, chunk_size=4, recompute=recompute)
-    with torch.no_grad():  # forward only: the loop over chunks is compiled too (torch's scan operator)
+    with torch.no_grad():  # forward only: compile="loop" compiles the loop over chunks too
         for L in (10, 3):  # 3 chunks, then 1 (a size of 1 is a graph of its own)
-            y, h = mm.selective_scan(*scan_inputs(l=L), compile=True, chunk_size=4, return_last_state=True)
+            y, h = mm.selective_scan(*scan_inputs(l=L), compile="loop", chunk_size=4, return_last_state=True)
             y_ref, h_ref = reference_selective_scan(*scan_inputs(l=L))
             torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(h, h_ref, rtol=1e-9, atol=1e-9)
@@ -432,7 +449,7 @@ def test_compiled_chunked_scan_matches_float64_reference():
         # a new length, so a new number of chunks, runs the code compiled above in both modes
         with torch.compiler.set_stance("fail_on_recompile"):
             with torch.no_grad():
-                y = mm.selective_scan(*scan_inputs(l=30), compile=True, chunk_size=4)
+                y = mm.selective_scan(*scan_inputs(l=30), compile="loop", chunk_size=4)
             torch.testing.assert_close(y, reference_selective_scan(*scan_inputs(l=30))[0], rtol=1e-9, atol=1e-9)
             assert_matches_reference(21, tol=1e-9, compile=True, chunk_size=4, recompute=True)
 
