@@ -268,9 +268,9 @@ def _maybe_compiled(fn, compile, device):
     key = (fn, device.type)
     if key not in _compiled:
         # On a CPU, Inductor's C++ wrapper instead of its Python one: the code around the kernels
-        # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++. Per call of
-        # a 32-step chunk at B·ED = 256 here: 37 us of fixed cost instead of 50, and the compiled
-        # loop's iterations cost next to nothing (14 ms instead of 19 for a 4096-step forward).
+        # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++. Here it
+        # cut the fixed cost of a call of a 32-step chunk from 50 to 37 us, and a 4096-step
+        # forward through the compiled loop from 19 to 14 ms.
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
     return _compiled[key]
