@@ -178,8 +178,10 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
 #
 # The loop over chunks. Each call of a compiled function has a fixed cost, paid in Python
 # (guards, wrappers): tens of microseconds on a CPU, as much as the kernel of a small chunk.
-# A forward-only pass therefore compiles the loop too (_chunk_loop, with torch's scan operator),
-# so a whole sequence is one call; training calls the compiled chunk, and its backward, per chunk.
+# With compile="loop" a forward-only pass compiles the loop too (_chunk_loop, with torch's scan
+# operator), so a whole sequence is one call. It is opt-in because torch cannot cache a graph
+# that holds this operator: every new process compiles it again. Training calls the compiled
+# chunk, and its backward, once per chunk.
 #
 # Static shapes: every chunk has length T. The last one is padded with identity steps, Δ = 0,
 # which give dA = exp(0) = 1 and dBx = 0, so the state passes through unchanged and the padded
@@ -198,7 +200,7 @@ def _scan_chunk(x, delta, A, B, C, D, z, h):
     """One chunk. x, delta, z: (B, T, ED); A: (ED, N); B, C: (B, T, N); D: (ED,); h: (B, ED, N)
     start state; D and z may be None. Returns y (B, T, ED) and the end state (B, ED, N).
     The skip D·x and the gate SiLU(z) are applied here, as the official kernel does: inside the
-    fused chunk they cost nothing, outside they are three more passes over (B, L, ED)."""
+    fused chunk they ride in the same pass, outside they are three more passes over (B, L, ED)."""
     dA, dBx = discretize(x, delta, A, B)  # (B, T, ED, N), one chunk only
     ys = []
     for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C.unbind(1)):
@@ -325,11 +327,13 @@ def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
     once) where this torch cannot compile the scan operator."""
     global _compiled_loop_works
     k = x.shape[1] // T
-    parts = [None if t is None else t.unflatten(1, (k, T)) for t in (x, delta, B, C, z)]  # (B, K, T, ·)
+    # contiguous: a padded input is, an unpadded slice (B, C and z in the model) is not, and a
+    # change of layout would be a recompile
+    parts = [None if t is None else t.contiguous().unflatten(1, (k, T)) for t in (x, delta, B, C, z)]
     for t in parts:
         if t is not None:  # K changes with the length: a dynamic size, so no recompile
             torch._dynamo.maybe_mark_dynamic(t, 1)
-    x_k, delta_k, B_k, C_k, z_k = parts
+    x_k, delta_k, B_k, C_k, z_k = parts  # (B, K, T, ED|N)
     try:
         y, h = _maybe_compiled(_chunk_loop, True, x.device)(x_k, delta_k, A, B_k, C_k, D, z_k, h)
     except torch._dynamo.exc.TorchDynamoException as e:

@@ -452,6 +452,18 @@ def test_compiled_chunked_scan_matches_float64_reference():
                 y = mm.selective_scan(*scan_inputs(l=30), compile="loop", chunk_size=4)
             torch.testing.assert_close(y, reference_selective_scan(*scan_inputs(l=30))[0], rtol=1e-9, atol=1e-9)
             assert_matches_reference(21, tol=1e-9, compile=True, chunk_size=4, recompute=True)
+        # in the model, a padded length and an unpadded one (B, C, z then strided slices) share
+        # one graph too
+        model = tiny_model(chunk_size=4).eval()
+        ids = torch.randint(0, 21, (2, 19), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            expected = [model(ids), model(ids[:, :16])]
+            model.cfg.compile_scan = "loop"
+            got = [model(ids)]
+            with torch.compiler.set_stance("fail_on_recompile"):
+                got.append(model(ids[:, :16]))
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
