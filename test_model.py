@@ -139,7 +139,7 @@ def test_selective_scan_bad_shapes_raise(change, message):
 def test_compile_modes_choose_the_loop_over_chunks(monkeypatch):
     # which functions each mode hands to the compiler (here: runs them eagerly), and the fallback
     # for a torch whose compiler rejects the scan operator: warn once, then loop in Python
-    asked = []
+    asked, reject = [], False
 
     def pretend_compile(fn, compile, device):
         asked.append(fn.__name__ if compile else None)
@@ -151,7 +151,6 @@ def test_compile_modes_choose_the_loop_over_chunks(monkeypatch):
     monkeypatch.setattr(mm, "_maybe_compiled", pretend_compile)
     monkeypatch.setattr(mm, "_compiled_loop_works", True)
     inputs, y_ref = scan_inputs(l=13), reference_selective_scan(*scan_inputs(l=13))[0]
-    reject = False
     with torch.no_grad():
         for compile, wanted in ((True, ["_scan_chunk"]), ("loop", ["_chunk_loop"])):
             asked.clear()
