@@ -156,7 +156,9 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
         h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (B, L, ED, N)
         y = (h @ C.unsqueeze(-1)).squeeze(-1)  # (B, L, ED)  y_t = C_t·h_t
         y = skip_and_gate(y, x, D, z)  # (B, L, ED)
-        h_last = h[:, -1]  # (B, ED, N)
+        # a copy, not the view h[:, -1]: the view would keep all of h, (B, L, ED, N), alive for
+        # as long as the caller keeps the final state (the inference cache keeps it for good)
+        h_last = h[:, -1].clone()  # (B, ED, N)
     y = y.to(out_dtype)
     return (y, h_last) if return_last_state else y
 

@@ -442,6 +442,7 @@ def test_compiled_chunked_scan_matches_float64_reference():
             y_ref, h_ref = reference_selective_scan(*scan_inputs(l=L))
             torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(h, h_ref, rtol=1e-9, atol=1e-9)
+            assert _owns_exactly_its_bytes(h)
     if TORCH_VERSION >= (2, 7):  # older torch cannot compile the scan operator and loops in Python
         assert mm._compiled_loop_works
     if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6
@@ -500,3 +501,25 @@ def test_cuda_compiled_paths_match_the_float64_cpu_reference():
             want = torch.autograd.grad(y64, ref_inputs, gy)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.double().cpu(), w.double(), rtol=1e-3, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 10: the cache, the checkpoints' dtypes and layouts, clear errors
+# ------------------------------------------------------------------------------------------------
+
+def _owns_exactly_its_bytes(t):
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("backend", EAGER_BACKENDS)
+def test_final_state_and_cache_own_exactly_their_bytes(backend):
+    # a view h[:, -1] of the (B, L, ED, N) states would keep every state of the prompt alive
+    x, delta, A, B, C, D, z, h0 = scan_inputs(l=40)
+    _, h_last = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend=backend, return_last_state=True)
+    assert _owns_exactly_its_bytes(h_last), backend
+    for prompt_len in (2, 40):  # shorter and longer than d_conv
+        model = tiny_model(scan_backend=backend).eval()
+        ids = torch.randint(0, 21, (2, prompt_len), generator=torch.Generator().manual_seed(0))
+        _, cache = model.prefill(ids)
+        for conv_state, ssm_state in cache:
+            assert _owns_exactly_its_bytes(conv_state) and _owns_exactly_its_bytes(ssm_state), backend
