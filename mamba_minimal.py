@@ -641,6 +641,31 @@ class MambaLM(nn.Module):
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {lo} and max {hi}")
 
+    def _check_cache(self, cache, batch):
+        """Everything `step` will write into, checked before it writes anything: a bad cache
+        must neither broadcast silently nor fail after some layers were already advanced."""
+        cfg, n_layer = self.cfg, len(self.backbone.layers)
+        if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
+            got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+            raise ValueError(f"cache must be a list of {n_layer} (conv_state, ssm_state) pairs, one per "
+                             f"layer, as prefill returns it; got {got}")
+        for i, (layer, layer_cache) in enumerate(zip(self.backbone.layers, cache)):
+            mixer = layer.mixer
+            if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
+                raise ValueError(f"cache[{i}] must be a (conv_state, ssm_state) pair")
+            expected = (("conv_state", (batch, cfg.d_inner, cfg.d_conv), mixer.conv1d.weight.dtype),
+                        ("ssm_state", (batch, cfg.d_inner, cfg.d_state), _at_least_fp32(mixer.A_log).dtype))
+            device = mixer.conv1d.weight.device
+            for t, (name, shape, dtype) in zip(layer_cache, expected):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"cache[{i}] {name} must have shape {shape} (batch, d_inner, "
+                                     f"{'d_conv' if name == 'conv_state' else 'd_state'}) for a batch of "
+                                     f"{batch} tokens, got {got}")
+                if t.dtype != dtype or t.device != device:
+                    raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
+                                     f"it for this model), got {t.dtype} on {t.device}")
+
     def forward(self, input_ids, want_cache=False):
         """input_ids: (B, L) -> logits (B, L, padded_vocab); with want_cache also the inference cache."""
         self._check_ids(input_ids)
@@ -673,8 +698,7 @@ class MambaLM(nn.Module):
     def step(self, token_ids, cache):
         """token_ids (B,) -> logits (B, V); advances the cache in place, O(1) in the position."""
         self._check_ids(token_ids, rank=1)
-        if len(cache) != len(self.backbone.layers):
-            raise ValueError(f"cache must hold {len(self.backbone.layers)} layers, got {len(cache)}")
+        self._check_cache(cache, token_ids.shape[0])
         h = self.backbone.embedding(token_ids)  # (B, D)
         for layer, layer_cache in zip(self.backbone.layers, cache):
             h = layer.step(h, layer_cache)  # (B, D)

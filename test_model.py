@@ -523,3 +523,32 @@ def test_final_state_and_cache_own_exactly_their_bytes(backend):
         _, cache = model.prefill(ids)
         for conv_state, ssm_state in cache:
             assert _owns_exactly_its_bytes(conv_state) and _owns_exactly_its_bytes(ssm_state), backend
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda c: c.pop(), r"list of 2 \(conv_state, ssm_state\) pairs"),
+    (lambda c: c.__setitem__(1, c[1][:1]), r"cache\[1\] must be a \(conv_state, ssm_state\) pair"),
+    (lambda c: c.__setitem__(1, (c[1][0], c[1][1][:1])), r"cache\[1\] ssm_state must have shape \(2, 64, 8\)"),
+    (lambda c: c.__setitem__(1, (c[1][0][..., :3], c[1][1])), r"cache\[1\] conv_state must have shape \(2, 64, 4\)"),
+    (lambda c: c.__setitem__(1, (c[1][0], c[1][1].double())), r"ssm_state must be torch.float32"),
+    (lambda c: c.__setitem__(1, (c[1][0].half(), c[1][1])), r"conv_state must be torch.float32"),
+], ids=["layers", "pair", "ssm-batch", "conv-width", "ssm-dtype", "conv-dtype"])
+def test_step_checks_its_cache_before_touching_it(spoil, message):
+    model = tiny_model().eval()
+    ids = torch.randint(0, 21, (2, 6), generator=torch.Generator().manual_seed(0))
+    _, cache = model.prefill(ids)
+    spoil(cache)
+    before = [[t.clone() for t in layer_cache] for layer_cache in cache]
+    with pytest.raises(ValueError, match=message):
+        model.step(ids[:, -1], cache)
+    for layer_cache, saved in zip(cache, before):  # nothing was advanced, not even layer 0
+        for t, s in zip(layer_cache, saved):
+            assert torch.equal(t, s)
+
+
+def test_step_refuses_a_cache_for_another_batch_size():
+    # a cache for one sequence would broadcast silently over a batch of three
+    model = tiny_model().eval()
+    _, cache = model.prefill(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(ValueError, match=r"conv_state must have shape \(3, 64, 4\).*batch of 3"):
+        model.step(torch.tensor([4, 5, 6]), cache)
