@@ -502,7 +502,10 @@ class MambaMixer(nn.Module):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
         dt, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
-        delta = F.softplus(_at_least_fp32(self.dt_proj(dt)))  # (..., ED) Δ > 0
+        # the bias is added in fp32, as the official kernel adds its fp32 `delta_bias`: in bf16 the
+        # bias (about -2 to -7 at init) would round away the smaller data-dependent part
+        dt = _at_least_fp32(F.linear(dt, self.dt_proj.weight))  # (..., ED)
+        delta = F.softplus(dt + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
     def causal_conv(self, x):
@@ -871,4 +874,11 @@ def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
         cfg = config_from_dict(json.load(f), **overrides)
     model = cls(cfg)
     model.load_state_dict(convert_state_dict(_load_state_dict_file(folder), model), strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    model.to(device=device)
+    if dtype is not None:
+        # as the official loader: A_log and D stay fp32 under a half-precision dtype (it creates
+        # them fp32 whatever the dtype); rounding A_log to bf16 would move every decay rate
+        for name, p in model.named_parameters():
+            keep_fp32 = name.endswith(("mixer.A_log", "mixer.D")) and dtype in (torch.float16, torch.bfloat16)
+            p.data = p.data.to(torch.float32 if keep_fp32 else dtype)
+    return model.eval()

@@ -552,3 +552,29 @@ def test_step_refuses_a_cache_for_another_batch_size():
     _, cache = model.prefill(torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match=r"conv_state must have shape \(3, 64, 4\).*batch of 3"):
         model.step(torch.tensor([4, 5, 6]), cache)
+
+
+def test_from_pretrained_in_bf16_keeps_A_log_and_D_fp32_and_adds_the_dt_bias_in_fp32(tmp_path):
+    model = tiny_model(seed=3)
+    _write_official(tmp_path / "ckpt", model)
+    half = MambaLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.bfloat16)
+    for name, p in half.named_parameters():
+        if name.endswith(("A_log", "mixer.D")):  # fp32 and bit-equal to the checkpoint's values
+            assert p.dtype == torch.float32 and torch.equal(p, model.state_dict()[name]), name
+        else:
+            assert p.dtype == torch.bfloat16, name
+    assert all(p.dtype == torch.float64 for p in
+               MambaLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float64).parameters())
+    # Δ = softplus(W·dt + bias). The bias lies near -2..-7 and bf16 keeps 8 significant bits, so a
+    # bias added in bf16 moves Δ's argument by up to 2^-8·7 ≈ 0.03. Added in fp32 (the official
+    # kernel's delta_bias), only the bf16 product W·dt is rounded: an error of at most about
+    # 2^-8·|W|·|dt|, tiny here since the input is small.
+    mixer = half.backbone.layers[0].mixer
+    x = (0.01 * torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(0))).bfloat16()
+    with torch.no_grad():
+        delta = mixer._ssm_inputs(x)[0]
+        dt = mixer.x_proj(x)[..., :mixer.cfg.dt_rank].double()  # the input of dt_proj
+    W, bias = mixer.dt_proj.weight.double(), mixer.dt_proj.bias.double()
+    want = F.softplus(dt @ W.T + bias)  # float64, from the same bf16 values
+    bound = 2 ** -7 * (dt.abs() @ W.abs().T) + 1e-6 * want
+    assert ((delta.double() - want).abs() <= bound).all()
