@@ -774,7 +774,7 @@ _HF_FIELDS = {  # transformers name -> MambaConfig name
     "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "time_step_rank": "dt_rank",
     "use_conv_bias": "conv_bias", "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
     "time_step_floor": "dt_init_floor", "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon",
-    "pad_vocab_size_multiple": "pad_vocab_size_multiple", "tie_word_embeddings": "tie_embeddings",
+    "tie_word_embeddings": "tie_embeddings",
     "residual_in_fp32": "residual_in_fp32",
 }
 _OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor",
@@ -787,6 +787,9 @@ def config_from_dict(d, **overrides):
     if "hidden_size" in d or "num_hidden_layers" in d:
         required = ["hidden_size", "num_hidden_layers", "vocab_size"]
         kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
+        # transformers never pads the vocabulary (a config.json converted from the official one may
+        # still carry pad_vocab_size_multiple): its embedding has exactly vocab_size rows
+        kwargs["pad_vocab_size_multiple"] = 1
     else:
         required = ["d_model", "n_layer", "vocab_size"]
         ssm_cfg = dict(d.get("ssm_cfg") or {})

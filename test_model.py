@@ -578,3 +578,20 @@ def test_from_pretrained_in_bf16_keeps_A_log_and_D_fp32_and_adds_the_dt_bias_in_
     want = F.softplus(dt @ W.T + bias)  # float64, from the same bf16 values
     bound = 2 ** -7 * (dt.abs() @ W.abs().T) + 1e-6 * want
     assert ((delta.double() - want).abs() <= bound).all()
+
+
+def test_transformers_layout_keeps_its_vocabulary_unpadded(tmp_path):
+    # a transformers fine-tune with added tokens: vocab 100, not a multiple of 8, saved as is
+    model = tiny_model(seed=2, vocab_size=100, pad_vocab_size_multiple=1).eval()
+    _write_transformers(tmp_path / "hf", model)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["pad_vocab_size_multiple"] = 8  # left over from a conversion: transformers ignores it
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    loaded = MambaLM.from_pretrained(str(tmp_path / "hf"))
+    assert loaded.backbone.embedding.weight.shape == (100, 32)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+    # the official layout keeps padding to pad_vocab_size_multiple
+    official = tiny_model(seed=2, vocab_size=100)
+    _write_official(tmp_path / "official", official)
+    assert MambaLM.from_pretrained(str(tmp_path / "official")).backbone.embedding.weight.shape == (104, 32)
