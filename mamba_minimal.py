@@ -402,6 +402,7 @@ class MambaConfig:
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     dt_scale: float = 1.0
+    dt_init: str = "random"  # dt_proj.weight uniform in ±dt_rank^-0.5·dt_scale, or "constant" at +that
     norm_epsilon: float = 1e-5
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
@@ -426,6 +427,8 @@ class MambaConfig:
             raise ValueError(f"MambaConfig.scan_backend must be one of {SCAN_BACKENDS}, got {self.scan_backend!r}")
         if self.compile_scan not in COMPILE_MODES:
             raise ValueError(f"MambaConfig.compile_scan must be one of {COMPILE_MODES}, got {self.compile_scan!r}")
+        if self.dt_init not in ("random", "constant"):
+            raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {self.dt_init!r}")
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
 
@@ -483,7 +486,10 @@ class MambaMixer(nn.Module):
         start every Δ at softplus(0) = 0.69 instead of 0.001..0.1)."""
         cfg = self.cfg
         std = cfg.dt_rank ** -0.5 * cfg.dt_scale
-        nn.init.uniform_(self.dt_proj.weight, -std, std)
+        if cfg.dt_init == "constant":
+            nn.init.constant_(self.dt_proj.weight, std)
+        else:
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
         # Δ log-uniform in [dt_min, dt_max], floored; the bias is its inverse softplus
         u = torch.rand(cfg.d_inner)
         dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
@@ -775,10 +781,10 @@ _HF_FIELDS = {  # transformers name -> MambaConfig name
     "use_conv_bias": "conv_bias", "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
     "time_step_floor": "dt_init_floor", "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon",
     "tie_word_embeddings": "tie_embeddings",
-    "residual_in_fp32": "residual_in_fp32",
+    "residual_in_fp32": "residual_in_fp32", "time_step_init_scheme": "dt_init",
 }
 _OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor",
-                        "dt_scale", "conv_bias", "bias"}
+                        "dt_scale", "conv_bias", "bias", "dt_init"}
 
 
 def config_from_dict(d, **overrides):
@@ -798,6 +804,10 @@ def config_from_dict(d, **overrides):
             raise ValueError(f"this implementation covers Mamba-1 only; config.json asks for {layer}")
         if d.get("attn_layer_idx"):
             raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
+        if d.get("d_intermediate"):
+            raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) is not "
+                             f"supported; this implementation covers d_intermediate = 0, pure Mamba blocks")
+        ssm_cfg.pop("use_fast_path", None)  # the choice of the official CUDA path: nothing to do here
         if d.get("rms_norm") is False:
             raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
         unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS

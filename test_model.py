@@ -595,3 +595,35 @@ def test_transformers_layout_keeps_its_vocabulary_unpadded(tmp_path):
     official = tiny_model(seed=2, vocab_size=100)
     _write_official(tmp_path / "official", official)
     assert MambaLM.from_pretrained(str(tmp_path / "official")).backbone.embedding.weight.shape == (104, 32)
+
+
+def test_config_reads_dt_init_use_fast_path_and_refuses_d_intermediate():
+    official = {"d_model": 32, "n_layer": 1, "vocab_size": 21,
+                "ssm_cfg": {"d_state": 8, "dt_init": "constant", "use_fast_path": False}}
+    cfg = mm.config_from_dict(official)
+    assert cfg.dt_init == "constant"
+    torch.manual_seed(0)
+    weight = MambaLM(cfg).backbone.layers[0].mixer.dt_proj.weight  # the official "constant" init
+    assert torch.equal(weight, torch.full_like(weight, cfg.dt_rank ** -0.5))
+    assert mm.config_from_dict(dict(official, ssm_cfg={"dt_init": "random"})).dt_init == "random"
+    with pytest.raises(ValueError, match="d_intermediate"):
+        mm.config_from_dict(dict(official, d_intermediate=128))
+    assert mm.config_from_dict(dict(official, d_intermediate=0)).d_model == 32
+    with pytest.raises(ValueError, match="dt_init must be 'random' or 'constant'"):
+        MambaConfig(dt_init="normal")
+
+
+def test_transformers_config_fields_map_to_their_official_names():
+    cfg = mm.config_from_dict({"hidden_size": 48, "num_hidden_layers": 3, "vocab_size": 50, "state_size": 4,
+                               "conv_kernel": 3, "expand": 3, "time_step_rank": 5, "time_step_min": 0.002,
+                               "time_step_max": 0.05, "time_step_floor": 3e-4, "time_step_scale": 0.5,
+                               "time_step_init_scheme": "constant", "layer_norm_epsilon": 1e-6,
+                               "use_bias": True, "use_conv_bias": False, "tie_word_embeddings": False,
+                               "residual_in_fp32": False})
+    assert (cfg.d_model, cfg.n_layer, cfg.vocab_size, cfg.d_state, cfg.d_conv, cfg.expand, cfg.dt_rank) == \
+        (48, 3, 50, 4, 3, 3, 5)
+    assert (cfg.dt_min, cfg.dt_max, cfg.dt_init_floor, cfg.dt_scale, cfg.dt_init) == \
+        (0.002, 0.05, 3e-4, 0.5, "constant")
+    assert (cfg.norm_epsilon, cfg.bias, cfg.conv_bias, cfg.tie_embeddings, cfg.residual_in_fp32) == \
+        (1e-6, True, False, False, False)
+    assert cfg.padded_vocab_size == 50
