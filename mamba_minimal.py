@@ -646,6 +646,10 @@ class MambaLM(nn.Module):
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         if input_ids.numel() == 0:
             raise ValueError(f"input_ids must not be empty, got shape {tuple(input_ids.shape)}")
+
+    def _check_id_range(self, input_ids):
+        # reads the ids' values: on a GPU that waits for the device, so it is not on the per-token
+        # path (`step` checks only ids that live on the CPU; `generate` samples in range)
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {lo} and max {hi}")
@@ -678,6 +682,7 @@ class MambaLM(nn.Module):
     def forward(self, input_ids, want_cache=False):
         """input_ids: (B, L) -> logits (B, L, padded_vocab); with want_cache also the inference cache."""
         self._check_ids(input_ids)
+        self._check_id_range(input_ids)
         h = self.backbone.embedding(input_ids)  # (B, L, D)
         cache = []
         for layer in self.backbone.layers:
@@ -707,7 +712,12 @@ class MambaLM(nn.Module):
     def step(self, token_ids, cache):
         """token_ids (B,) -> logits (B, V); advances the cache in place, O(1) in the position."""
         self._check_ids(token_ids, rank=1)
+        if token_ids.device.type == "cpu":
+            self._check_id_range(token_ids)
         self._check_cache(cache, token_ids.shape[0])
+        return self._step(token_ids, cache)
+
+    def _step(self, token_ids, cache):
         h = self.backbone.embedding(token_ids)  # (B, D)
         for layer, layer_cache in zip(self.backbone.layers, cache):
             h = layer.step(h, layer_cache)  # (B, D)
@@ -727,7 +737,7 @@ class MambaLM(nn.Module):
             token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (B,)
             yield token
             if i + 1 < max_new_tokens:
-                logits = self.step(token, cache)
+                logits = self._step(token, cache)  # a sampled token and our own cache: no checks
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,

@@ -627,3 +627,18 @@ def test_transformers_config_fields_map_to_their_official_names():
     assert (cfg.norm_epsilon, cfg.bias, cfg.conv_bias, cfg.tie_embeddings, cfg.residual_in_fp32) == \
         (1e-6, True, False, False, False)
     assert cfg.padded_vocab_size == 50
+
+
+def test_generate_reads_the_token_values_once_not_per_token(monkeypatch):
+    # reading min/max of the ids waits for a GPU: once for the prompt, never per generated token
+    model = tiny_model().eval()
+    reads = []
+    check = model._check_id_range
+    monkeypatch.setattr(model, "_check_id_range", lambda ids: reads.append(ids.shape) or check(ids))
+    prompt = torch.randint(0, 21, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, max_new_tokens=6, top_k=1)
+    assert reads == [(2, 5)]
+    assert torch.equal(out[:, 5:], model(out[:, :-1])[:, 4:, :21].argmax(-1))  # still the greedy tokens
+    _, cache = model.prefill(prompt)
+    with pytest.raises(ValueError, match=r"\[0, 21\)"):  # a direct step on CPU ids still checks them
+        model.step(torch.tensor([3, 21]), cache)
