@@ -106,6 +106,15 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
         raise ValueError("the sequence length must be at least 1, got x of shape (B, 0, ED)")
     if A.dim() != 2 or A.shape[0] != ed:
         raise ValueError(f"A must have shape (ED, N) = ({ed}, N), got {tuple(A.shape)}")
+    given = {name: t for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D),
+                                     ("z", z), ("h0", h0)) if t is not None}
+    for name, t in given.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    computed_in = {name: _at_least_fp32(t).dtype for name, t in given.items()}
+    if len(set(computed_in.values())) > 1:  # fp16/bf16 count as fp32: they are computed in fp32
+        raise ValueError(f"selective_scan's inputs must be all float64 or all at most float32 (fp16/bf16 "
+                         f"are computed in fp32), got {', '.join(f'{k} {t.dtype}' for k, t in given.items())}")
     n = A.shape[1]
     expected = {"delta": (b, l, ed), "B": (b, l, n), "C": (b, l, n), "D": (ed,), "z": (b, l, ed),
                 "h0": (b, ed, n)}
@@ -727,8 +736,9 @@ class MambaLM(nn.Module):
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         generator=None):
         """Yield (B,) tensors of new token ids, one per step: prefill, then O(1) steps."""
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        _check_sampling(temperature, top_k, top_p)  # before the prefill, not after it
         if max_new_tokens == 0:
             return
         logits, cache = self.prefill(input_ids)
@@ -752,14 +762,19 @@ class MambaLM(nn.Module):
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
 
 
+def _check_sampling(temperature, top_k, top_p):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature < math.inf:  # also refuses NaN
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+
+
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """logits (B, V) -> token ids (B,). Greedy for temperature 0 or top_k 1."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    _check_sampling(temperature, top_k, top_p)
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -840,7 +855,11 @@ def _load_state_dict_file(folder):
     st = os.path.join(folder, "model.safetensors")
     pt = os.path.join(folder, "pytorch_model.bin")
     if os.path.exists(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(pt, map_location="cpu", weights_only=True)
+        except Exception as err:  # a truncated download, or not a plain tensor checkpoint
+            raise ValueError(f"{pt} could not be read as a PyTorch state dict (truncated or not a "
+                             f"checkpoint?): {type(err).__name__}: {err}") from err
     if os.path.exists(st):
         try:
             from safetensors.torch import load_file
@@ -850,11 +869,20 @@ def _load_state_dict_file(folder):
     raise FileNotFoundError(f"no pytorch_model.bin or model.safetensors in {folder}")
 
 
+def _looks_like_a_path(s):
+    # a hub id is "owner/name": one slash, no leading "/", ".", or "~"
+    return (os.path.isabs(s) or s.startswith(("./", "../", "~", ".\\", "..\\"))
+            or s.count("/") > 1 or (os.sep != "/" and os.sep in s))
+
+
 def _resolve_folder(path_or_id):
     if os.path.isdir(path_or_id):
         return path_or_id
     if os.path.exists(path_or_id):
         raise ValueError(f"{path_or_id} is a file; pass the folder holding config.json and the weights")
+    if _looks_like_a_path(path_or_id):
+        raise FileNotFoundError(f"the folder {path_or_id} does not exist (pass a folder holding config.json "
+                                f"and the weights, or a hub id such as state-spaces/mamba-130m)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -873,8 +901,12 @@ def convert_state_dict(state_dict, model):
         if k.startswith("backbone.embeddings."):
             k = "backbone.embedding." + k[len("backbone.embeddings."):]
         sd[k] = v
-    if model.cfg.tie_embeddings and "lm_head.weight" not in sd and "backbone.embedding.weight" in sd:
-        sd["lm_head.weight"] = sd["backbone.embedding.weight"]
+    if model.cfg.tie_embeddings and "backbone.embedding.weight" in sd:
+        head = sd.setdefault("lm_head.weight", sd["backbone.embedding.weight"])
+        if head is not sd["backbone.embedding.weight"] and not torch.equal(head, sd["backbone.embedding.weight"]):
+            raise ValueError("the config ties the embeddings, but the checkpoint's lm_head.weight differs "
+                             "from backbone.embedding.weight; set tie_embeddings (tie_word_embeddings) to "
+                             "false to load an untied head")
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
@@ -894,7 +926,13 @@ def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {folder}")
     with open(cfg_path) as f:
-        cfg = config_from_dict(json.load(f), **overrides)
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{cfg_path} is not valid JSON: {err}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object of config fields, got a {type(d).__name__}")
+    cfg = config_from_dict(d, **overrides)
     model = cls(cfg)
     model.load_state_dict(convert_state_dict(_load_state_dict_file(folder), model), strict=True)
     model.to(device=device)

@@ -642,3 +642,74 @@ def test_generate_reads_the_token_values_once_not_per_token(monkeypatch):
     _, cache = model.prefill(prompt)
     with pytest.raises(ValueError, match=r"\[0, 21\)"):  # a direct step on CPU ids still checks them
         model.step(torch.tensor([3, 21]), cache)
+
+
+def test_more_bad_checkpoints_raise_errors_that_name_the_problem(tmp_path, monkeypatch):
+    model = tiny_model()
+    # a path that does not exist is "not found", never handed to the hub as a repo id
+    monkeypatch.chdir(tmp_path)
+    for missing in (str(tmp_path / "typo"), "./typo", "../typo", "~/typo-mamba", "runs/typo/ckpt"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            MambaLM.from_pretrained(missing)
+    # config.json that is not an object, or not JSON
+    _write_official(tmp_path / "ok", model)
+    for text, message in (("[1, 2]", "JSON object.*got a list"), ("{'d_model': 32", "not valid JSON")):
+        (tmp_path / "ok" / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            MambaLM.from_pretrained(str(tmp_path / "ok"))
+    # a truncated download
+    _write_official(tmp_path / "cut", model)
+    data = (tmp_path / "cut" / "pytorch_model.bin").read_bytes()
+    (tmp_path / "cut" / "pytorch_model.bin").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="pytorch_model.bin could not be read.*truncated"):
+        MambaLM.from_pretrained(str(tmp_path / "cut"))
+
+
+def test_the_head_is_tied_only_when_the_config_says_so(tmp_path):
+    # a tied config and a file whose lm_head differs from the embedding: refuse, never overwrite
+    model = tiny_model(tie_embeddings=False)
+    _write_official(tmp_path / "tied", model)  # its config.json leaves tie_embeddings at true
+    with pytest.raises(ValueError, match="lm_head.weight differs from backbone.embedding.weight"):
+        MambaLM.from_pretrained(str(tmp_path / "tied"))
+    # an untied config and a file without lm_head.weight: a missing key, not a silent tie
+    _write_transformers(tmp_path / "untied", tiny_model())  # stores no lm_head.weight
+    cfg = json.loads((tmp_path / "untied" / "config.json").read_text())
+    (tmp_path / "untied" / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
+    with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
+        MambaLM.from_pretrained(str(tmp_path / "untied"))
+    # an untied checkpoint loads untied, with its own head
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(
+        dict(json.loads((tmp_path / "tied" / "config.json").read_text()), tie_embeddings=False)))
+    loaded = MambaLM.from_pretrained(str(tmp_path / "tied"))
+    assert loaded.lm_head.weight is not loaded.backbone.embedding.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+    (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(top_k=0), "top_k must be an integer >= 1"),
+    (dict(top_p=float("nan")), r"top_p must lie in \(0, 1\]"),
+])
+def test_bad_sampling_arguments_raise_before_any_work(kwargs, message):
+    model = tiny_model().eval()
+    model.prefill = None  # generate must refuse before it reads the prompt
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        mm.sample_next(torch.zeros(1, 5), **kwargs)
+
+
+@pytest.mark.parametrize("backend", EAGER_BACKENDS + ["auto"])
+def test_selective_scan_refuses_mixed_float64_and_float32(backend):
+    for i in range(8):  # any one input in float32, the others float64
+        args = scan_inputs()
+        args[i] = args[i].float()
+        with pytest.raises(ValueError, match="all float64 or all at most float32"):
+            mm.selective_scan(*args, backend=backend)
+    args = scan_inputs()
+    args[1] = args[1].long()
+    with pytest.raises(ValueError, match="delta must be a floating-point tensor"):
+        mm.selective_scan(*args, backend=backend)
