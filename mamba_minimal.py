@@ -1,29 +1,41 @@
 """
-mamba_minimal.py: Mamba (Gu & Dao, 2023) in plain PyTorch, compatible with the official checkpoints.
+mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
+official checkpoints.
 
-Sections, in the order of the idea:
+Read it top to bottom. Sections 1 to 5 are the model and nothing else: a reader who stops at the
+end of section 5 has read a complete, correct Mamba. Section 6 makes it fast, section 7 loads
+checkpoints, and the input checks wait in an appendix.
 
-    1. Discretization          from the continuous (Δ, A, B) to the step (exp(Δ·A), Δ·B·x)
-    2. The selective scan      selective_scan(): discretize, run the recurrence, read out with C
-    3. The fused, chunked scan the hardware-aware path: never hold (B, L, ED, N), opt-in compile
-    4. The model               MambaConfig, RMSNorm, the mixer, the residual block, the LM
-    5. Recurrent inference     prefill, an O(1) step per token, generate
-    6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
+    1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
+    2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
+    3. The block                        MambaConfig, RMSNorm, the mixer            (Mamba.forward, mamba_inner_ref)
+    4. The language model               residual blocks, the LM, its init         (MambaLMHeadModel)
+    5. Recurrent inference              prefill, an O(1) step per token, generate  (Mamba.step, selective_state_update)
+    6. Making it fast                   the fused chunked scan, torch.compile, recompute; selective_scan()
+    7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
+    8. Appendix: input checks
 
-Glossary (code name: paper symbol, meaning)
+Glossary. One name, one meaning; shape comments use these letters.
 
-    b        batch size                      (B in the shape comments)
-    l        sequence length                 (L)
-    d_model  model width                     (D)
-    d_inner  expanded width, expand·d_model  (ED)
-    n        state size per channel          (N, config.d_state)
-    delta    Δ, the input-dependent step size, one per token and channel   (B, L, ED)
-    A        the continuous state matrix, diagonal, fixed per channel      (ED, N)
-    B, C     input and output projections of the state, per token          (B, L, N)
-    D        the skip connection y += D·x, per channel                     (ED)
-    dA, dBx  the discretized step: h_t = dA_t·h_{t-1} + dBx_t              (B, L, ED, N)
+    b        batch size
+    L        sequence length
+    d_model  model width, the residual stream
+    ED       d_inner = expand·d_model, the channels the SSM runs on (the paper's E·D; a lone D
+             is always the skip below)
+    N        d_state, the number of states per channel
+    x        the scan's input: the causal conv's output after SiLU              (b, L, ED)
+    delta    Δ > 0, the step size, one per token and channel                    (b, L, ED)
+    A        the continuous state matrix: diagonal, one negative entry per (channel, state)   (ED, N)
+    B, C     the input and output matrices, one N-vector per token, shared by the channels   (b, L, N)
+    D        the skip connection y += D·x, one per channel                      (ED,)
+    z        the gate's input, y is multiplied by SiLU(z)                       (b, L, ED)
+    h        the state                                  (b, L, ED, N), or (b, ED, N) for one step
+    dA, dBx  the discretized step, exp(Δ·A) and Δ·B·x:  h_t = dA_t·h_{t-1} + dBx_t   (b, L, ED, N)
+    grad_X   the gradient dLoss/dX (grad_A is the gradient of A; dA is never a gradient)
+    T, K     section 6: the chunk length and the number of chunks
 
-The recurrence h_t = a_t·h_{t-1} + b_t itself lives in pscan.py; read that file first.
+The recurrence h_t = a_t·h_{t-1} + b_t itself, and every way to run it, lives in pscan.py; read
+that file first.
 """
 
 import json
@@ -31,7 +43,7 @@ import math
 import os
 import warnings
 from dataclasses import dataclass, fields
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.nn as nn
@@ -39,12 +51,10 @@ import torch.nn.functional as F
 
 import pscan
 
-try:  # torch's scan operator, a prototype in torch; the compiled forward uses it (section 3)
+try:  # torch's scan operator, a prototype in torch; only section 6's compile="loop" uses it
     from torch._higher_order_ops.scan import scan as _scan_op
 except ImportError:
     _scan_op = None
-
-SCAN_BACKENDS = ("auto", "sequential", "pscan", "associative", "chunked")
 
 
 def _at_least_fp32(t):
@@ -53,78 +63,81 @@ def _at_least_fp32(t):
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. Discretization
+# 1. The SSM and its discretization
 # ------------------------------------------------------------------------------------------------
-# A state space model is the continuous system h'(t) = A·h(t) + B·x(t), y(t) = C·h(t). To run it
-# on tokens we sample it with a step Δ. For A, the zero-order hold is exact when x is constant
-# over the step: h_t = exp(Δ·A)·h_{t-1} + ... Since A is diagonal and negative, exp(Δ·A) is an
-# elementwise decay in (0, 1): a large Δ forgets the past, a small Δ keeps it. For B, Mamba uses
-# the simpler Euler step Δ·B·x_t instead of ZOH's (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B·x_t: the two agree
-# to first order in Δ, and the simple form is cheaper and works as well in practice.
+# A state space model maps an input signal x(t) to an output y(t) through a hidden state h(t)
+# (paper eq. 1):
 #
-# What makes Mamba *selective* is that Δ, B and C are computed from the current token, so the
-# model chooses per token what to write into the state (B), what to read out (C) and how fast to
-# forget (Δ). A stays a learned constant per channel: Δ already scales it per token, and a fixed
-# negative A keeps every decay exp(Δ·A) in (0, 1), so the recurrence stays stable.
+#     h'(t) = A·h(t) + B·x(t),        y(t) = C·h(t)
+#
+# Mamba runs ED of them side by side, one per channel, each with N states. A is diagonal, so
+# it is stored as one number per (channel, state), (ED, N); B and C are N-vectors shared by
+# the channels. To run on tokens the system is sampled with a step Δ (eq. 2):
+#
+#     h_t = Ā·h_{t-1} + B̄·x_t,        y_t = C·h_t
+#
+# The zero-order hold (eq. 4) takes x to be constant over each step and integrates exactly:
+#
+#     Ā = exp(Δ·A),        B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B
+#
+# Ā does not depend on that assumption: exp(Δ·A) is exactly how the state decays over a step of
+# length Δ, whatever x does. The assumption is what makes the B̄ term exact. Mamba keeps Ā, and
+# for B̄ takes its first-order approximation Δ·B ((e^u - 1)/u = 1 + u/2 + ..., with u = Δ·A), as
+# the official selective_scan_ref does (deltaB_u = Δ·B·x). So the step is exact ZOH for A and an
+# Euler-like first-order term for B: not plain Euler, which would also replace exp(Δ·A) by 1 + Δ·A
+# and could leave (0, 1) for a large Δ.
+#
+# Stability: A = -exp(A_log) < 0 and Δ = softplus(·) > 0, so every decay exp(Δ·A) lies in
+# (0, 1) and the state can only shrink by itself. A large Δ forgets the past (decay near 0) and
+# takes the current input in strongly; a small Δ keeps the past (decay near 1) and barely lets
+# the input in.
+#
+# Selection (§3.2, Algorithm 2) is what makes Mamba more than an SSM: Δ, B and C are computed
+# from the input, per token. They come from the conv output x_t, which has seen the last d_conv
+# tokens, not from the current token alone. A stays a learned constant: it reaches the
+# recurrence only through Δ·A, so a selective Δ already makes the decay selective (§3.5.2).
 
 def discretize(x, delta, A, B):
     """The step of the recurrence for every token (or for one token: drop the L below).
 
     Args:
-        x:     (B, L, ED)  input of the scan
-        delta: (B, L, ED)  step size Δ, positive
+        x:     (b, L, ED)  input of the scan
+        delta: (b, L, ED)  step size Δ, positive
         A:     (ED, N)     continuous state matrix (diagonal, negative)
-        B:     (B, L, N)   input projection
+        B:     (b, L, N)   input matrix
     Returns:
-        dA:  (B, L, ED, N)  exp(Δ·A)      zero-order hold
-        dBx: (B, L, ED, N)  Δ·B·x         Euler step
+        dA:  (b, L, ED, N)  exp(Δ·A)   the zero-order hold, exact
+        dBx: (b, L, ED, N)  Δ·B·x      the first-order term for B
     """
-    dA = torch.exp(delta.unsqueeze(-1) * A)  # (B, L, ED, N)
-    dBx = (delta * x).unsqueeze(-1) * B.unsqueeze(-2)  # (B, L, ED, N)
+    dA = torch.exp(delta.unsqueeze(-1) * A)  # (b, L, ED, N)
+    dBx = (delta * x).unsqueeze(-1) * B.unsqueeze(-2)  # (b, L, ED, N)
     return dA, dBx
 
 
 # ------------------------------------------------------------------------------------------------
 # 2. The selective scan
 # ------------------------------------------------------------------------------------------------
-# y_t = C_t·h_t + D·x_t, then gated by SiLU(z_t). The eager backends materialize dA, dBx and all
-# the states h as (B, L, ED, N) tensors and hand the recurrence to pscan.scan. Everything runs in
-# fp32 whatever the input dtype: the state sums hundreds of small contributions.
-
-COMPILE_MODES = (False, True, "loop")
-
-
-def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
-    if backend not in SCAN_BACKENDS:
-        raise ValueError(f"backend must be one of {SCAN_BACKENDS}, got {backend!r}")
-    if compile not in COMPILE_MODES:
-        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
-    if x.dim() != 3:
-        raise ValueError(f"x must have shape (B, L, ED), got {tuple(x.shape)}")
-    b, l, ed = x.shape
-    if l == 0:
-        raise ValueError("the sequence length must be at least 1, got x of shape (B, 0, ED)")
-    if A.dim() != 2 or A.shape[0] != ed:
-        raise ValueError(f"A must have shape (ED, N) = ({ed}, N), got {tuple(A.shape)}")
-    given = {name: t for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D),
-                                     ("z", z), ("h0", h0)) if t is not None}
-    for name, t in given.items():
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    computed_in = {name: _at_least_fp32(t).dtype for name, t in given.items()}
-    if len(set(computed_in.values())) > 1:  # fp16/bf16 count as fp32: they are computed in fp32
-        raise ValueError(f"selective_scan's inputs must be all float64 or all at most float32 (fp16/bf16 "
-                         f"are computed in fp32), got {', '.join(f'{k} {t.dtype}' for k, t in given.items())}")
-    n = A.shape[1]
-    expected = {"delta": (b, l, ed), "B": (b, l, n), "C": (b, l, n), "D": (ed,), "z": (b, l, ed),
-                "h0": (b, ed, n)}
-    for name, t in (("delta", delta), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
-        if t is not None and tuple(t.shape) != expected[name]:
-            raise ValueError(f"{name} must have shape {expected[name]}, got {tuple(t.shape)}")
-
+# Algorithm 2 of the paper (the "S6" layer): discretize every token, run the linear recurrence
+# h_t = dA_t·h_{t-1} + dBx_t over the sequence, read each state out with C_t, add the skip D·x,
+# and gate with SiLU(z) (the gate belongs to the block; the official kernel applies it inside
+# the scan, and so do we). Since dA_t and dBx_t change from token to token, the recurrence
+# cannot be unrolled into one fixed convolution kernel as in S4 (eq. 3): it has to be scanned,
+# which is what pscan.py is about.
+#
+# selective_scan_reference is the whole algorithm in a few lines, and the function that
+# section 6's fast path is tested against. It mirrors the official selective_scan_ref
+# (mamba_ssm/ops/selective_scan_interface.py), which runs the recurrence as a Python loop:
+# pscan.scan's "sequential" backend; here pscan.scan picks the backend.
+#
+# Everything runs in fp32 whatever the input dtype, and fp64 goes through unchanged (the tests).
+# Why not bf16: it keeps 8 significant bits, so its numbers are 2^-8 apart just below 1 and 2^-7
+# just above. A decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds
+# to 1.0, and the state never forgets; adding Δ·B·x ≈ 0.001 to a state near 1 moves it by less
+# than half a spacing (0.0039), and the input is rounded away. The state sums hundreds of such
+# small contributions; fp32 keeps 24 bits (spacing 6e-8 just below 1).
 
 def skip_and_gate(y, x, D, z):
-    """The last two steps of the selective scan: y + D·x, then the gate SiLU(z). (B, L, ED)."""
+    """The last two steps of the selective scan: y + D·x, then the gate SiLU(z). (b, L, ED)."""
     if D is not None:
         y = y + D * x
     if z is not None:
@@ -132,314 +145,67 @@ def skip_and_gate(y, x, D, z):
     return y
 
 
-def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
-                   return_last_state=False, chunk_size=16, recompute=True):
-    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z).
+def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto"):
+    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z), over materialized tensors.
 
     Args:
-        x:       (B, L, ED)  input
-        delta:   (B, L, ED)  step size Δ (after softplus)
+        x:       (b, L, ED)  input
+        delta:   (b, L, ED)  step size Δ (after softplus)
         A:       (ED, N)     diagonal state matrix, negative
-        B, C:    (B, L, N)   input and output projections
+        B, C:    (b, L, N)   input and output matrices
         D:       (ED,)       skip connection, or None
-        z:       (B, L, ED)  gate, or None
-        h0:      (B, ED, N)  initial state, or None for zeros
-        backend: "sequential", "pscan", "associative" (pscan.py over materialized tensors),
-                 "chunked" (section 3) or "auto" (pscan.scan's choice)
-        compile: False; True to run the chunked path through torch.compile (implies
-                 backend="chunked"), chunk by chunk; "loop" to compile, for forward-only passes,
-                 the loop over chunks as well (section 3: faster on long sequences, but every new
-                 process compiles it again)
-        chunk_size, recompute: see section 3
+        z:       (b, L, ED)  gate, or None
+        h0:      (b, ED, N)  initial state, or None for zeros
+        backend: pscan.scan's backend ("auto", "sequential", "pscan", "associative")
     Returns:
-        y: (B, L, ED) in x's dtype, and with return_last_state the final state (B, ED, N) in fp32
+        y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
     """
-    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile)
-    out_dtype = x.dtype
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
-    if compile or backend == "chunked":
-        y, h_last = chunked_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
-    else:
-        dA, dBx = discretize(x, delta, A, B)  # (B, L, ED, N) each
-        h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (B, L, ED, N)
-        y = (h @ C.unsqueeze(-1)).squeeze(-1)  # (B, L, ED)  y_t = C_t·h_t
-        y = skip_and_gate(y, x, D, z)  # (B, L, ED)
-        # a copy, not the view h[:, -1]: the view would keep all of h, (B, L, ED, N), alive for
-        # as long as the caller keeps the final state (the inference cache keeps it for good)
-        h_last = h[:, -1].clone()  # (B, ED, N)
-    y = y.to(out_dtype)
-    return (y, h_last) if return_last_state else y
+    dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
+    h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (b, L, ED, N)
+    y = (h @ C.unsqueeze(-1)).squeeze(-1)  # (b, L, ED)  y_t = C_t·h_t
+    y = skip_and_gate(y, x, D, z)  # (b, L, ED)
+    # a copy, not the view h[:, -1]: the view would keep all of h, (b, L, ED, N), alive for as
+    # long as the caller keeps the final state (the inference cache keeps it for good)
+    return y, h[:, -1].clone()  # (b, L, ED), (b, ED, N)
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. The fused, chunked scan
-# ------------------------------------------------------------------------------------------------
-# Where the time goes. The eager path above writes dA, dBx and h to memory as (B, L, ED, N)
-# tensors and reads them back several times: for the training shape (12, 64, 256, 16) that is
-# 12.6 MB each, for a long sequence gigabytes, while the inputs x, Δ, B, C are N times smaller.
-# The arithmetic is trivial; the cost is memory traffic.
-#
-# The fix (the official CUDA kernel's idea, written here in PyTorch): run the scan chunk by
-# chunk. For a chunk of T steps: discretize, run the recurrence from the carried state, contract
-# with C, add D·x, gate with SiLU(z), and pass the last state on. Only (B, T, ED, N) is ever
-# alive. Eagerly this is still several passes over a small block; under torch.compile, Inductor
-# fuses the chunk into one kernel (C++ on a CPU, Triton on a GPU) that reads x, Δ, B, C, z once
-# and writes y once, the states staying in registers and cache.
-#
-# The loop over chunks. Each call of a compiled function has a fixed cost, paid in Python
-# (guards, wrappers): tens of microseconds on a CPU, as much as the kernel of a small chunk.
-# With compile="loop" a forward-only pass compiles the loop too (_chunk_loop, with torch's scan
-# operator), so a whole sequence is one call. It is opt-in because torch cannot cache a graph
-# that holds this operator: every new process compiles it again. Training calls the compiled
-# chunk, and its backward, once per chunk.
-#
-# Static shapes: every chunk has length T. The last one is padded with identity steps, Δ = 0,
-# which give dA = exp(0) = 1 and dBx = 0, so the state passes through unchanged and the padded
-# outputs are dropped. A new sequence length therefore never triggers a recompile (the compiled
-# loop of a forward pass takes the number of chunks as a dynamic size).
-#
-# Recompute (training): plain autograd through a chunk keeps every step's (B, ED, N) tensors for
-# the backward, so O(B·L·ED·N) is back, and the backward graph it records is a long chain of
-# small ops that Inductor fuses poorly. With recompute=True each chunk is a custom autograd
-# Function instead: the forward keeps only the chunk's inputs and its start state, and the
-# backward (written out below, fused by torch.compile like the forward) recomputes the states
-# from the start state and runs the reverse recurrence. Memory: O(B·L·ED) for the inputs plus
-# one (B, ED, N) start state per chunk, plus O(B·T·ED·N) inside the chunk being worked on.
-
-def _scan_chunk(x, delta, A, B, C, D, z, h):
-    """One chunk. x, delta, z: (B, T, ED); A: (ED, N); B, C: (B, T, N); D: (ED,); h: (B, ED, N)
-    start state; D and z may be None. Returns y (B, T, ED) and the end state (B, ED, N).
-    The skip D·x and the gate SiLU(z) are applied here, as the official kernel does: inside the
-    fused chunk they ride in the same pass, outside they are three more passes over (B, L, ED)."""
-    dA, dBx = discretize(x, delta, A, B)  # (B, T, ED, N), one chunk only
-    ys = []
-    for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C.unbind(1)):
-        h = torch.addcmul(dBx_t, dA_t, h)  # (B, ED, N)
-        ys.append((h * C_t.unsqueeze(1)).sum(-1))  # (B, ED)
-    return skip_and_gate(torch.stack(ys, dim=1), x, D, z), h  # (B, T, ED), (B, ED, N)
-
-
-def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
-    """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states.
-
-    The skip and the gate first. With y_t = C_t·h_t the scan's own output and
-    out = (y + D·x)·SiLU(z), where SiLU'(z) = σ(z)·(1 + z·(1 - σ(z))):
-        grad_y = grad_out·SiLU(z)     dz = grad_out·(y + D·x)·SiLU'(z)
-        dD = Σ_{b,t} grad_y·x         dx gets grad_y·D
-    Then the scan. With G_t = dLoss/dh_t in total (through y_t and through every later state):
-        G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},    G_{T-1} = grad_y_{T-1}·C_{T-1} + grad_h
-    and, since h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t and dA_t = exp(Δ_t·A), summing over what each
-    input touches:
-        dC_t = Σ_ed grad_y_t·h_t      dB_t = Σ_ed G_t·Δ_t·x_t      dx_t = Δ_t·(G_t·B_t)
-        dΔ_t = x_t·(G_t·B_t) + Σ_n G_t·h_{t-1}·dA_t·A              dA = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t
-        dh0 = dA_0·G_0
-    Every reduction is taken inside the reverse loop, step by step. Batching them after the loop
-    looks more vectorized but needs G and h as (B, T, ED, N) tensors. In Inductor's generated C++
-    the per-step reductions over N fuse into the reverse pass and those over ED and the batch
-    become small loops per step; that ran 1.8x faster than the batched form.
-    """
-    dA, dBx = discretize(x, delta, A, B)  # (B, T, ED, N)
-    hs = [h0]
-    for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):
-        hs.append(torch.addcmul(dBx_t, dA_t, hs[-1]))  # h_t (B, ED, N)
-    grad_y, grad_z = grad_out, None  # (B, T, ED)
-    if z is not None:
-        y = torch.stack([(h_t * C_t.unsqueeze(1)).sum(-1) for h_t, C_t in zip(hs[1:], C.unbind(1))], dim=1)
-        sig = torch.sigmoid(z)
-        grad_z = grad_out * skip_and_gate(y, x, D, None) * sig * (1 + z * (1 - sig))
-        grad_y = grad_out * z * sig  # grad_out·SiLU(z)
-    g, grad_A = grad_h, torch.zeros_like(A)  # g: G_t as the loop walks back
-    grads = []  # (dx_t, dΔ_t, dB_t, dC_t), last step first
-    steps = zip(x.unbind(1), delta.unbind(1), B.unbind(1), C.unbind(1), grad_y.unbind(1),
-                dA.unbind(1), hs[:-1], hs[1:])
-    for x_t, delta_t, B_t, C_t, grad_y_t, dA_t, h_prev, h_t in reversed(list(steps)):
-        g = torch.addcmul(g, grad_y_t.unsqueeze(-1), C_t.unsqueeze(1))  # G_t (B, ED, N)
-        GB = (g * B_t.unsqueeze(1)).sum(-1)  # (B, ED)  G_t·B_t
-        through_dA = g * h_prev * dA_t  # (B, ED, N)  dLoss/d(Δ_t·A)
-        grad_A = grad_A + (through_dA * delta_t.unsqueeze(-1)).sum(0)  # (ED, N)
-        grads.append((delta_t * GB,  # dx_t (B, ED)
-                      x_t * GB + (through_dA * A).sum(-1),  # dΔ_t (B, ED)
-                      (g * (delta_t * x_t).unsqueeze(-1)).sum(1),  # dB_t (B, N)
-                      (grad_y_t.unsqueeze(-1) * h_t).sum(1)))  # dC_t (B, N)
-        g = g * dA_t  # G_t's share for h_{t-1}
-    grad_x, grad_delta, grad_B, grad_C = (torch.stack(per_step[::-1], dim=1) for per_step in zip(*grads))
-    grad_D = None
-    if D is not None:
-        grad_D = (grad_y * x).sum((0, 1))  # (ED,)
-        grad_x = grad_x + grad_y * D
-    return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, g  # the last g is dh0
-
-
-_compiled = {}
-
-
-def _maybe_compiled(fn, compile, device):
-    """fn itself, or its torch.compile'd version (made once per device type, static shapes)."""
-    if not compile:
-        return fn
-    key = (fn, device.type)
-    if key not in _compiled:
-        # On a CPU, Inductor's C++ wrapper instead of its Python one: the code around the kernels
-        # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++. Here it
-        # cut the fixed cost of a call of a 32-step chunk from 50 to 37 us, and a 4096-step
-        # forward through the compiled loop from 19 to 14 ms.
-        options = {"cpp_wrapper": True} if device.type == "cpu" else None
-        _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
-    return _compiled[key]
-
-
-class _RecomputedChunk(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, delta, A, B, C, D, z, h, compile):
-        ctx.compile = compile
-        ctx.save_for_backward(x, delta, A, B, C, D, z, h)  # the inputs only, no states
-        return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_y, grad_h):
-        # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
-        backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
-        grads = backward(*_detached(*ctx.saved_tensors), grad_y.contiguous(), grad_h.contiguous())
-        return (*grads, None)
-
-
-def _detached(*tensors):
-    # The first chunk's start state is a plain zero tensor, the later ones come out of autograd
-    # and require grad. The compiled code guards on requires_grad, so without this the first
-    # chunk and the others would each compile their own copy of the same graph.
-    return [None if t is None else t.detach() for t in tensors]
-
-
-def _chunk_loop(x, delta, A, B, C, D, z, h):
-    """Every chunk of a forward-only pass in one call: x, delta, z (B, K, T, ED), B, C (B, K, T, N),
-    K chunks of T steps; h: the start state (B, ED, N). Returns y (B, K, T, ED) and the end state.
-    torch's scan operator, carry, ys = scan(f, init, xs), calls f(carry, chunk k) for k = 0..K-1
-    and stacks the ys; compiled, Inductor turns it into a loop around the fused chunk kernel, so
-    the per-call cost of section 3's introduction is paid once per sequence instead of per chunk."""
-    def one_chunk(h, chunk):
-        x_c, delta_c, B_c, C_c, *z_c = chunk  # (B, T, ·); z_c: [] when there is no gate
-        y, h = _scan_chunk(x_c, delta_c, A, B_c, C_c, D, z_c[0] if z_c else None, h)
-        return h, y
-
-    h, ys = _scan_op(one_chunk, h, [t for t in (x, delta, B, C, z) if t is not None], dim=1)
-    return ys, h
-
-
-_compiled_loop_works = _scan_op is not None  # until a compile of it fails
-
-
-def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
-    """Forward only, compiled: every chunk in one call of the compiled _chunk_loop. The inputs
-    are padded to K·T steps. Returns y (B, K·T, ED) and the end state, or None (with a warning,
-    once) where this torch cannot compile the scan operator."""
-    global _compiled_loop_works
-    k = x.shape[1] // T
-    # contiguous: a padded input is, an unpadded slice (B, C and z in the model) is not, and a
-    # change of layout would be a recompile
-    parts = [None if t is None else t.contiguous().unflatten(1, (k, T)) for t in (x, delta, B, C, z)]
-    for t in parts:
-        if t is not None:  # K changes with the length: a dynamic size, so no recompile
-            torch._dynamo.maybe_mark_dynamic(t, 1)
-    x_k, delta_k, B_k, C_k, z_k = parts  # (B, K, T, ED|N)
-    try:
-        y, h = _maybe_compiled(_chunk_loop, True, x.device)(x_k, delta_k, A, B_k, C_k, D, z_k, h)
-    except torch._dynamo.exc.TorchDynamoException as e:
-        _compiled_loop_works = False
-        warnings.warn(f"compiling the loop over chunks failed ({type(e).__name__}: {e}); compiled "
-                      f"forward passes now call the compiled chunk once per chunk instead")
-        return None
-    return y.flatten(1, 2), h  # (B, K·T, ED), (B, ED, N)
-
-
-def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
-                           recompute=True, compile=False):
-    """The scan chunk by chunk (fp32 inputs). Returns y (B, L, ED) and the final state (B, ED, N)."""
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    b, l, ed = x.shape
-    T = chunk_size
-    pad = (-l) % T
-    if pad:  # identity steps: Δ = 0 gives dA = 1, dBx = 0 (their outputs are dropped)
-        x, delta, B, C, z = (None if t is None else F.pad(t, (0, 0, 0, pad)) for t in (x, delta, B, C, z))
-    h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (B, ED, N)
-    recompute = recompute and needs_grad
-    if compile == "loop" and not needs_grad and _compiled_loop_works:
-        out = _forward_in_one_call(x, delta, A, B, C, D, z, h, T)
-        if out is not None:
-            return out[0][:, :l], out[1]  # (B, L, ED), (B, ED, N)
-    step = _maybe_compiled(_scan_chunk, compile, x.device)
-
-    def chunks(t):
-        # split, not t[:, s:s+T]: autograd's backward of a slice writes a zero tensor of the whole
-        # sequence per chunk (quadratic in L), a split's backward is one cat. Contiguous chunks:
-        # their strides then do not depend on L, so neither does the compile.
-        if t is None:
-            return [None] * ((l + pad) // T)
-        return [c.contiguous() for c in t.split(T, dim=1)]  # (B, T, ED|N) each
-
-    ys = []
-    for x_c, delta_c, B_c, C_c, z_c in zip(*map(chunks, (x, delta, B, C, z))):
-        if recompute:
-            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile)
-        else:
-            y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h)
-        ys.append(y)
-    return torch.cat(ys, dim=1)[:, :l], h  # (B, L, ED), (B, ED, N)
-
-
-# ------------------------------------------------------------------------------------------------
-# 4. The model
+# 3. The block
 # ------------------------------------------------------------------------------------------------
 
 @dataclass
 class MambaConfig:
-    """Field names follow the official mamba_ssm MambaConfig and Mamba block."""
+    """Field names and defaults follow the official mamba_ssm MambaConfig and Mamba block."""
     d_model: int = 128
     n_layer: int = 4
     vocab_size: int = 65
     d_state: int = 16
     expand: int = 2
-    dt_rank: Union[int, str] = "auto"  # "auto": ceil(d_model / 16)
+    dt_rank: Union[int, str] = "auto"  # "auto": ceil(d_model / 16), the official default
     d_conv: int = 4
     conv_bias: bool = True
     bias: bool = False
-    dt_min: float = 1e-3
+    dt_min: float = 1e-3  # Δ at init: log-uniform in [dt_min, dt_max], floored at dt_init_floor
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     dt_scale: float = 1.0
     dt_init: str = "random"  # dt_proj.weight uniform in ±dt_rank^-0.5·dt_scale, or "constant" at +that
     norm_epsilon: float = 1e-5
-    pad_vocab_size_multiple: int = 8
+    pad_vocab_size_multiple: int = 8  # official layout only: the head's rows a multiple of 8
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
-    # how to run the selective scan (not part of a checkpoint's identity)
+    # how to run the selective scan (section 6; not part of a checkpoint's identity)
     scan_backend: str = "auto"
     compile_scan: Union[bool, str] = False  # False, True or "loop": selective_scan's compile
     chunk_size: int = 16
     recompute: bool = True  # chunked paths: hand-written, recomputing backward (vs plain autograd)
 
     def __post_init__(self):
-        for name in ("d_model", "n_layer", "vocab_size", "d_state", "expand", "d_conv",
-                     "pad_vocab_size_multiple", "chunk_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"MambaConfig.{name} must be a positive integer, got {value!r}")
+        _check_config(self)  # the appendix
         if self.dt_rank == "auto":
             self.dt_rank = math.ceil(self.d_model / 16)
-        if not isinstance(self.dt_rank, int) or self.dt_rank < 1:
-            raise ValueError(f"MambaConfig.dt_rank must be 'auto' or a positive integer, got {self.dt_rank!r}")
-        if self.scan_backend not in SCAN_BACKENDS:
-            raise ValueError(f"MambaConfig.scan_backend must be one of {SCAN_BACKENDS}, got {self.scan_backend!r}")
-        if self.compile_scan not in COMPILE_MODES:
-            raise ValueError(f"MambaConfig.compile_scan must be one of {COMPILE_MODES}, got {self.compile_scan!r}")
-        if self.dt_init not in ("random", "constant"):
-            raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {self.dt_init!r}")
-        if not 0 < self.dt_min <= self.dt_max:
-            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
 
     @property
     def d_inner(self):
@@ -466,11 +232,16 @@ class RMSNorm(nn.Module):
 
 
 class MambaMixer(nn.Module):
-    """The Mamba block (named `mixer` in the official tree).
+    """The Mamba block (the official `Mamba` module, named `mixer` in the official tree; the
+    paper's Figure 3). Its forward mirrors the official Mamba.forward / mamba_inner_ref:
 
-    x ─ in_proj ─┬─ x ─ causal conv1d ─ SiLU ─┬─ x_proj ─ Δ, B, C ─ selective scan ─ (+D·x) ─┐
-                 │                            └────────────────────────── x ──────────────┘ │
-                 └─ z ──────────────────────────────────────── SiLU(z) ──────── × ───────── ┘ ─ out_proj
+      hidden ─ in_proj ─┬─ x ─ causal conv1d ─ SiLU ─┬───────────────── x ───────────────┐
+                        │                               └─ x_proj, dt_proj ─ Δ, B, C ───────┤
+                        │                                          selective scan: y = C·h + D·x
+                        └─ z ─ SiLU ───────────────────────────────────────────── × y ─ out_proj ─ out
+
+    x is the scan's input; Δ, B and C are computed from the same x, so they see the last d_conv
+    tokens through the conv.
     """
 
     def __init__(self, cfg: MambaConfig):
@@ -478,8 +249,8 @@ class MambaMixer(nn.Module):
         self.cfg = cfg
         ed, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
         self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
-        # depthwise (one filter per channel) and causal: token t sees t-3 .. t. Kept as the official
-        # nn.Conv1d so checkpoints load as they are; causal_conv below computes it.
+        # depthwise (one filter per channel) and causal: token t sees t-d_conv+1 .. t. Kept as the
+        # official nn.Conv1d so checkpoints load as they are; causal_conv below computes it.
         self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
         self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
@@ -494,7 +265,7 @@ class MambaMixer(nn.Module):
         init, so a pass that resets every Linear cannot leave dt_proj's bias at zero (which would
         start every Δ at softplus(0) = 0.69 instead of 0.001..0.1)."""
         cfg = self.cfg
-        std = cfg.dt_rank ** -0.5 * cfg.dt_scale
+        std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
         if cfg.dt_init == "constant":
             nn.init.constant_(self.dt_proj.weight, std)
         else:
@@ -524,52 +295,61 @@ class MambaMixer(nn.Module):
         return delta, B, C
 
     def causal_conv(self, x):
-        """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-K+1+k} + bias.
-        The same sum `step` computes on its rolling buffer; faster on a CPU than nn.Conv1d here.
-        x: (B, L, ED) -> (B, L, ED)"""
-        K, L = self.cfg.d_conv, x.shape[1]
-        w = self.conv1d.weight[:, 0, :]  # (ED, K)
-        x_pad = F.pad(x, (0, 0, K - 1, 0))  # (B, K-1+L, ED) zeros before the first token
+        """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-d_conv+1+k}
+        + bias. The same sum `step` computes on its rolling buffer; faster on a CPU than nn.Conv1d here.
+        x: (b, L, ED) -> (b, L, ED)"""
+        width, L = self.cfg.d_conv, x.shape[1]
+        w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
+        x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
         out = x_pad[:, 0:L] * w[:, 0]
-        for k in range(1, K):
-            out = torch.addcmul(out, x_pad[:, k:k + L], w[:, k])  # (B, L, ED)
+        for k in range(1, width):
+            out = torch.addcmul(out, x_pad[:, k:k + L], w[:, k])  # (b, L, ED)
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def forward(self, hidden, want_cache=False):
-        """hidden: (B, L, D) -> (B, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
+        """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
+        (conv_state, ssm_state) for section 5."""
         cfg = self.cfg
         L = hidden.shape[1]
-        x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, L, ED) each
-        x = F.silu(self.causal_conv(x_in))  # (B, L, ED)
-        delta, B, C = self._ssm_inputs(x)  # (B, L, ED), (B, L, N), (B, L, N)
+        x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
+        x = F.silu(self.causal_conv(x_in))  # (b, L, ED)
+        delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
+        # selective_scan is section 6's entry point. With the default config it runs
+        # selective_scan_reference above; the config may pick the fused path, same numbers.
         y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
                                    compile=cfg.compile_scan, return_last_state=True,
-                                   chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (B, L, ED)
-        out = self.out_proj(y)  # (B, L, D)
+                                   chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (b, L, ED)
+        out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
         # the conv's rolling buffer: the last d_conv inputs, zeros before the first token
-        conv_state = F.pad(x_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (B, ED, d_conv)
+        conv_state = F.pad(x_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (b, ED, d_conv)
         return out, (conv_state.to(self.conv1d.weight.dtype).contiguous(), h_last)
 
     def step(self, hidden, cache):
-        """One token. hidden: (B, D); cache = (conv_state, ssm_state), updated in place. -> (B, D)"""
-        conv_state, ssm_state = cache  # (B, ED, d_conv), (B, ED, N) fp32
-        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (B, ED) each
-        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+        """One token: the recurrent form of forward (section 5), mirroring the official
+        Mamba.step (selective_state_update is its fused kernel for the SSM part).
+        hidden: (b, d_model); cache = (conv_state, ssm_state), updated in place. -> (b, d_model)"""
+        conv_state, ssm_state = cache  # (b, ED, d_conv), (b, ED, N) fp32
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, ED) each
+        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))  # drop the oldest input
         conv_state[:, :, -1] = x
-        x = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (B, ED) the conv at one position
+        x = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED) the conv at one position
         if self.conv1d.bias is not None:
             x = x + self.conv1d.bias
-        x = F.silu(x)  # (B, ED)
-        delta, B, C = self._ssm_inputs(x)  # (B, ED), (B, N), (B, N)
+        x = F.silu(x)  # (b, ED)
+        delta, B, C = self._ssm_inputs(x)  # (b, ED), (b, N), (b, N)
         x32, B, C, z = (_at_least_fp32(t) for t in (x, B, C, z))
-        dA, dBx = discretize(x32, delta, self.A, B)  # (B, ED, N) each: one token
-        ssm_state.copy_(torch.addcmul(dBx, dA, ssm_state))  # h = dA·h + dB·x
-        y = (ssm_state @ C.unsqueeze(-1)).squeeze(-1)  # (B, ED)
-        y = skip_and_gate(y, x32, self.D.to(x32.dtype), z)  # (B, ED)
-        return self.out_proj(y.to(x.dtype))  # (B, D)
+        dA, dBx = discretize(x32, delta, self.A, B)  # (b, ED, N) each: one token
+        ssm_state.copy_(torch.addcmul(dBx, dA, ssm_state))  # h = dA·h + dBx
+        y = (ssm_state @ C.unsqueeze(-1)).squeeze(-1)  # (b, ED)  C·h
+        y = skip_and_gate(y, x32, self.D.to(x32.dtype), z)  # (b, ED)
+        return self.out_proj(y.to(x.dtype))  # (b, d_model)
 
+
+# ------------------------------------------------------------------------------------------------
+# 4. The language model
+# ------------------------------------------------------------------------------------------------
 
 class Block(nn.Module):
     """Pre-norm residual block: h = h + mixer(norm(h)); the residual stream stays fp32."""
@@ -619,9 +399,10 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self):
-        """The official recipe: Linear biases zero, embedding N(0, 0.02), each out_proj scaled by
-        1/sqrt(n_layer) so the residual stream's variance does not grow with depth; then the SSM
-        parameters again, since the generic pass above must not decide them."""
+        """The official recipe (mamba_ssm's _init_weights): Linear biases zero, embedding
+        N(0, 0.02) (GPT-2's choice), each out_proj rescaled by 1/sqrt(n_layer) from nn.Linear's
+        own kaiming-uniform (a = sqrt(5)) so the residual stream's variance does not grow with
+        depth; then the SSM parameters again, since the generic pass must not decide them."""
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -646,105 +427,59 @@ class MambaLM(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
 
-    def _check_ids(self, input_ids, rank=2):
-        shape = "(B, L)" if rank == 2 else "(B,)"
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != rank:
-            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be a tensor of shape {shape}, got {got}")
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.numel() == 0:
-            raise ValueError(f"input_ids must not be empty, got shape {tuple(input_ids.shape)}")
-
-    def _check_id_range(self, input_ids):
-        # reads the ids' values: on a GPU that waits for the device, so it is not on the per-token
-        # path (`step` checks only ids that live on the CPU; `generate` samples in range)
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.cfg.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size}), got min {lo} and max {hi}")
-
-    def _check_cache(self, cache, batch):
-        """Everything `step` will write into, checked before it writes anything: a bad cache
-        must neither broadcast silently nor fail after some layers were already advanced."""
-        cfg, n_layer = self.cfg, len(self.backbone.layers)
-        if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
-            got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
-            raise ValueError(f"cache must be a list of {n_layer} (conv_state, ssm_state) pairs, one per "
-                             f"layer, as prefill returns it; got {got}")
-        for i, (layer, layer_cache) in enumerate(zip(self.backbone.layers, cache)):
-            mixer = layer.mixer
-            if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
-                raise ValueError(f"cache[{i}] must be a (conv_state, ssm_state) pair")
-            expected = (("conv_state", (batch, cfg.d_inner, cfg.d_conv), mixer.conv1d.weight.dtype),
-                        ("ssm_state", (batch, cfg.d_inner, cfg.d_state), _at_least_fp32(mixer.A_log).dtype))
-            device = mixer.conv1d.weight.device
-            for t, (name, shape, dtype) in zip(layer_cache, expected):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ValueError(f"cache[{i}] {name} must have shape {shape} (batch, d_inner, "
-                                     f"{'d_conv' if name == 'conv_state' else 'd_state'}) for a batch of "
-                                     f"{batch} tokens, got {got}")
-                if t.dtype != dtype or t.device != device:
-                    raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
-                                     f"it for this model), got {t.dtype} on {t.device}")
-
     def forward(self, input_ids, want_cache=False):
-        """input_ids: (B, L) -> logits (B, L, padded_vocab); with want_cache also the inference cache."""
-        self._check_ids(input_ids)
-        self._check_id_range(input_ids)
-        h = self.backbone.embedding(input_ids)  # (B, L, D)
+        """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache."""
+        _check_token_ids(input_ids)
+        _check_token_range(input_ids, self.cfg.vocab_size)
+        h = self.backbone.embedding(input_ids)  # (b, L, d_model)
         cache = []
         for layer in self.backbone.layers:
             if want_cache:
                 h, layer_cache = layer(h, want_cache=True)
                 cache.append(layer_cache)
             else:
-                h = layer(h)  # (B, L, D)
-        logits = self.lm_head(self.backbone.norm_f(h))  # (B, L, V)
+                h = layer(h)  # (b, L, d_model)
+        logits = self.lm_head(self.backbone.norm_f(h))  # (b, L, V)
         return (logits, cache) if want_cache else logits
 
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
-    # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv inputs
-    # (B, ED, d_conv) and the SSM state (B, ED, N). So a new token costs the same at position 10
-    # and at position 10,000, unlike attention, whose KV cache grows with the context. The prompt
-    # is read in one parallel pass (prefill), which also returns these states; then each token
-    # is one `step`.
+    # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv
+    # inputs (b, ED, d_conv) and the SSM state (b, ED, N). So a new token costs the same at
+    # position 10 and at position 10,000, unlike attention, whose KV cache grows with the
+    # context. The prompt is read in one parallel pass (prefill), which also returns these
+    # states; then each token is one `step`: the mixer's step (section 3) in every layer, the
+    # recurrence of section 1 applied once.
 
     @torch.no_grad()
     def prefill(self, input_ids):
-        """input_ids (B, L) -> (logits (B, L, V), cache: per layer (conv_state, ssm_state))."""
+        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state))."""
         return self.forward(input_ids, want_cache=True)
 
     @torch.no_grad()
     def step(self, token_ids, cache):
-        """token_ids (B,) -> logits (B, V); advances the cache in place, O(1) in the position."""
-        self._check_ids(token_ids, rank=1)
-        if token_ids.device.type == "cpu":
-            self._check_id_range(token_ids)
-        self._check_cache(cache, token_ids.shape[0])
+        """token_ids (b,) -> logits (b, V); advances the cache in place, O(1) in the position."""
+        _check_step_inputs(self, token_ids, cache)
         return self._step(token_ids, cache)
 
     def _step(self, token_ids, cache):
-        h = self.backbone.embedding(token_ids)  # (B, D)
+        h = self.backbone.embedding(token_ids)  # (b, d_model)
         for layer, layer_cache in zip(self.backbone.layers, cache):
-            h = layer.step(h, layer_cache)  # (B, D)
-        return self.lm_head(self.backbone.norm_f(h))  # (B, V)
+            h = layer.step(h, layer_cache)  # (b, d_model)
+        return self.lm_head(self.backbone.norm_f(h))  # (b, V)
 
     @torch.no_grad()
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         generator=None):
-        """Yield (B,) tensors of new token ids, one per step: prefill, then O(1) steps."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        _check_sampling(temperature, top_k, top_p)  # before the prefill, not after it
+        """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps."""
+        _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)  # before the prefill
         if max_new_tokens == 0:
             return
         logits, cache = self.prefill(input_ids)
-        logits = logits[:, -1]  # (B, V)
+        logits = logits[:, -1]  # (b, V)
         for i in range(max_new_tokens):
-            token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (B,)
+            token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
             yield token
             if i + 1 < max_new_tokens:
                 logits = self._step(token, cache)  # a sampled token and our own cache: no checks
@@ -752,34 +487,24 @@ class MambaLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  generator=None):
-        """input_ids (B, L) -> (B, L + max_new_tokens). top_k=1 (or temperature=0) is greedy."""
+        """input_ids (b, L) -> (b, L + max_new_tokens). top_k=1 (or temperature=0) is greedy."""
         new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator))
         return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
 
     @classmethod
     def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
-        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
+        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 7."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
 
 
-def _check_sampling(temperature, top_k, top_p):
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-            or not 0 <= temperature < math.inf:  # also refuses NaN
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
-
-
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (B, V) -> token ids (B,). Greedy for temperature 0 or top_k 1."""
+    """logits (b, V) -> token ids (b,). Greedy for temperature 0 or top_k 1."""
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
     logits = logits.float() / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (b, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None:
         # keep the smallest set of tokens whose probabilities sum to at least top_p
@@ -792,7 +517,295 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. Loading checkpoints
+# 6. Making it fast
+# ------------------------------------------------------------------------------------------------
+# Sections 1 to 5 are the whole model. This section changes how the selective scan is computed,
+# not what: every path below is tested against selective_scan_reference and a float64 loop.
+#
+# Where the time goes. The reference writes dA, dBx and h to memory as (b, L, ED, N) tensors
+# and reads them back several times: for the training shape (12, 64, 256, 16) that is 12.6 MB
+# each, for a long sequence gigabytes, while the inputs x, Δ, B, C are N times smaller. The
+# arithmetic is trivial; the cost is memory traffic.
+#
+# The paper's answer (§3.3, the hardware-aware algorithm) is kernel fusion plus recomputation:
+# load x, Δ, A, B, C into fast memory, discretize and scan there, write only y, and recompute
+# the states in the backward instead of storing them. The official CUDA kernel walks the
+# sequence in chunks: inside a chunk its threads run a parallel scan over the steps (cub's
+# BlockScan), and the running state is carried from one chunk to the next.
+#
+# Here, in PyTorch: for a chunk of T steps, discretize, run the recurrence from the carried
+# state, contract with C, add D·x, gate with SiLU(z), and pass the last state on. Only
+# (b, T, ED, N) is ever alive. Eagerly this is still several passes over a small block; under
+# torch.compile, Inductor fuses the chunk into one kernel (C++ on a CPU, Triton on a GPU) that
+# reads x, Δ, B, C, z once and writes y once, the states staying in registers and cache.
+#
+# How this chunk relates to pscan.scan_chunked. Both split the sequence into chunks and carry
+# the state across them. pscan.scan_chunked scans *inside* every chunk in parallel (all chunks at
+# once from a zero state), then scans the chunks' summaries and corrects every chunk by its
+# carried-in state: the shape for a GPU, whose threads share one chunk's steps, like the
+# official kernel. Here each chunk runs its T steps one after another inside one fused kernel,
+# and the chunks follow each other, so the carried state is simply the last one: no summary
+# scan, no correction pass. The parallelism is across the b·ED·N independent recurrences, which
+# fill a CPU's vector lanes.
+#
+# The chunk length T = 16 (chunk_size) was measured: 32 halves the number of calls but trains
+# slower (the backward kernel grows) and compiles twice as long (README, "The selective scan
+# and the fused path").
+#
+# The loop over chunks. Each call of a compiled function has a fixed cost, paid in Python
+# (guards, wrappers): tens of microseconds on a CPU, as much as the kernel of a small chunk.
+# With compile="loop" a forward-only pass compiles the loop too (_chunk_loop, with torch's scan
+# operator), so a whole sequence is one call. It is opt-in because torch cannot cache a graph
+# that holds this operator: every new process compiles it again. Training calls the compiled
+# chunk, and its backward, once per chunk.
+#
+# Static shapes: every chunk has length T. The last one is padded with identity steps, Δ = 0,
+# which give dA = exp(0) = 1 and dBx = 0, so the state passes through unchanged and the padded
+# outputs are dropped. A new sequence length therefore never triggers a recompile (the compiled
+# loop of a forward pass takes the number of chunks as a dynamic size).
+#
+# Recompute (training, the paper's §3.3.2): plain autograd through a chunk keeps every step's
+# (b, ED, N) tensors for the backward, so O(b·L·ED·N) is back, and the backward graph it records
+# is a long chain of small ops that Inductor fuses poorly. With recompute=True each chunk is a
+# custom autograd Function instead: the forward keeps only the chunk's inputs and its start
+# state, and the backward (written out below, fused by torch.compile like the forward)
+# recomputes the states from the start state and runs the reverse recurrence. Memory:
+# O(b·L·ED) for the inputs plus one (b, ED, N) start state per chunk, plus O(b·T·ED·N) inside
+# the chunk being worked on.
+
+def _scan_chunk(x, delta, A, B, C, D, z, h):
+    """One chunk: selective_scan_reference on T steps, with the loop written out so that the
+    compiler fuses it. x, delta, z: (b, T, ED); A: (ED, N); B, C: (b, T, N); D: (ED,);
+    h: (b, ED, N) start state; D and z may be None. Returns y (b, T, ED) and the end state
+    (b, ED, N). The skip D·x and the gate SiLU(z) are applied here, as the official kernel does:
+    inside the fused chunk they ride in the same pass, outside they are three more passes over
+    (b, L, ED)."""
+    dA, dBx = discretize(x, delta, A, B)  # (b, T, ED, N), one chunk only
+    ys = []
+    for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C.unbind(1)):
+        h = torch.addcmul(dBx_t, dA_t, h)  # (b, ED, N)
+        ys.append((h * C_t.unsqueeze(1)).sum(-1))  # (b, ED)
+    return skip_and_gate(torch.stack(ys, dim=1), x, D, z), h  # (b, T, ED), (b, ED, N)
+
+
+def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
+    """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states.
+    grad_X is dLoss/dX; dA_t = exp(Δ_t·A) is the forward's decay, as everywhere in this file.
+
+    The skip and the gate first. With y_t = C_t·h_t the scan's own output and
+    out = (y + D·x)·SiLU(z), where SiLU'(z) = σ(z)·(1 + z·(1 - σ(z))):
+        grad_y = grad_out·SiLU(z)     grad_z = grad_out·(y + D·x)·SiLU'(z)
+        grad_D = Σ_{b,t} grad_y·x     grad_x gets grad_y·D
+    Then the scan. With G_t = dLoss/dh_t in total (through y_t and through every later state):
+        G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},    G_{T-1} = grad_y_{T-1}·C_{T-1} + grad_h
+    and, since h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t and dA_t = exp(Δ_t·A), summing over what each
+    input touches:
+        grad_C_t = Σ_ed grad_y_t·h_t      grad_B_t = Σ_ed G_t·Δ_t·x_t      grad_x_t = Δ_t·(G_t·B_t)
+        grad_Δ_t = x_t·(G_t·B_t) + Σ_n G_t·h_{t-1}·dA_t·A
+        grad_A = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t                            grad_h0 = dA_0·G_0
+    Every reduction is taken inside the reverse loop, step by step. Batching them after the loop
+    looks more vectorized but needs G and h as (b, T, ED, N) tensors. In Inductor's generated C++
+    the per-step reductions over N fuse into the reverse pass and those over ED and the batch
+    become small loops per step; that ran 1.8x faster than the batched form.
+    """
+    dA, dBx = discretize(x, delta, A, B)  # (b, T, ED, N)
+    hs = [h0]
+    for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):
+        hs.append(torch.addcmul(dBx_t, dA_t, hs[-1]))  # h_t (b, ED, N)
+    grad_y, grad_z = grad_out, None  # (b, T, ED)
+    if z is not None:
+        y = torch.stack([(h_t * C_t.unsqueeze(1)).sum(-1) for h_t, C_t in zip(hs[1:], C.unbind(1))], dim=1)
+        sig = torch.sigmoid(z)
+        grad_z = grad_out * skip_and_gate(y, x, D, None) * sig * (1 + z * (1 - sig))
+        grad_y = grad_out * z * sig  # grad_out·SiLU(z)
+    g, grad_A = grad_h, torch.zeros_like(A)  # g: G_t as the loop walks back
+    grads = []  # (grad_x_t, grad_Δ_t, grad_B_t, grad_C_t), last step first
+    steps = zip(x.unbind(1), delta.unbind(1), B.unbind(1), C.unbind(1), grad_y.unbind(1),
+                dA.unbind(1), hs[:-1], hs[1:])
+    for x_t, delta_t, B_t, C_t, grad_y_t, dA_t, h_prev, h_t in reversed(list(steps)):
+        g = torch.addcmul(g, grad_y_t.unsqueeze(-1), C_t.unsqueeze(1))  # G_t (b, ED, N)
+        GB = (g * B_t.unsqueeze(1)).sum(-1)  # (b, ED)  G_t·B_t
+        through_dA = g * h_prev * dA_t  # (b, ED, N)  dLoss/d(Δ_t·A)
+        grad_A = grad_A + (through_dA * delta_t.unsqueeze(-1)).sum(0)  # (ED, N)
+        grads.append((delta_t * GB,  # grad_x_t (b, ED)
+                      x_t * GB + (through_dA * A).sum(-1),  # grad_Δ_t (b, ED)
+                      (g * (delta_t * x_t).unsqueeze(-1)).sum(1),  # grad_B_t (b, N)
+                      (grad_y_t.unsqueeze(-1) * h_t).sum(1)))  # grad_C_t (b, N)
+        g = g * dA_t  # G_t's share for h_{t-1}
+    grad_x, grad_delta, grad_B, grad_C = (torch.stack(per_step[::-1], dim=1) for per_step in zip(*grads))
+    grad_D = None
+    if D is not None:
+        grad_D = (grad_y * x).sum((0, 1))  # (ED,)
+        grad_x = grad_x + grad_y * D
+    return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, g  # the last g is grad_h0
+
+
+_compiled = {}
+
+
+def _maybe_compiled(fn, compile, device):
+    """fn itself, or its torch.compile'd version (made once per device type, static shapes)."""
+    if not compile:
+        return fn
+    key = (fn, device.type)
+    if key not in _compiled:
+        # On a CPU, Inductor's C++ wrapper instead of its Python one: the code around the kernels
+        # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++. It cut
+        # the fixed cost of a call from 50 to 37 us and a 4096-step forward through the compiled
+        # loop from 19 to 14 ms, measured with 32-step chunks (the default then; not re-measured
+        # at today's 16, where the fixed cost weighs twice as much per step).
+        options = {"cpp_wrapper": True} if device.type == "cpu" else None
+        _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+    return _compiled[key]
+
+
+class _RecomputedChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, delta, A, B, C, D, z, h, compile):
+        ctx.compile = compile
+        ctx.save_for_backward(x, delta, A, B, C, D, z, h)  # the inputs only, no states
+        return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y, grad_h):
+        # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
+        backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
+        grads = backward(*_detached(*ctx.saved_tensors), grad_y.contiguous(), grad_h.contiguous())
+        return (*grads, None)
+
+
+def _detached(*tensors):
+    # The first chunk's start state is a plain zero tensor, the later ones come out of autograd
+    # and require grad. The compiled code guards on requires_grad, so without this the first
+    # chunk and the others would each compile their own copy of the same graph.
+    return [None if t is None else t.detach() for t in tensors]
+
+
+def _chunk_loop(x, delta, A, B, C, D, z, h):
+    """Every chunk of a forward-only pass in one call: x, delta, z (b, K, T, ED), B, C (b, K, T, N),
+    K chunks of T steps; h: the start state (b, ED, N). Returns y (b, K, T, ED) and the end state.
+    torch's scan operator, carry, ys = scan(f, init, xs), calls f(carry, chunk k) for k = 0..K-1
+    and stacks the ys; compiled, Inductor turns it into a loop around the fused chunk kernel, so
+    the per-call cost of this section's introduction is paid once per sequence instead of per chunk."""
+    def one_chunk(h, chunk):
+        x_c, delta_c, B_c, C_c, *z_c = chunk  # (b, T, ·); z_c: [] when there is no gate
+        y, h = _scan_chunk(x_c, delta_c, A, B_c, C_c, D, z_c[0] if z_c else None, h)
+        return h, y
+
+    h, ys = _scan_op(one_chunk, h, [t for t in (x, delta, B, C, z) if t is not None], dim=1)
+    return ys, h
+
+
+_compiled_loop_works = _scan_op is not None  # until a compile of it fails
+
+
+def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
+    """Forward only, compiled: every chunk in one call of the compiled _chunk_loop. The inputs
+    are padded to K·T steps. Returns y (b, K·T, ED) and the end state, or None (with a warning,
+    once) where this torch cannot compile the scan operator."""
+    global _compiled_loop_works
+    k = x.shape[1] // T
+    # contiguous: a padded input is, an unpadded slice (B, C and z in the model) is not, and a
+    # change of layout would be a recompile
+    parts = [None if t is None else t.contiguous().unflatten(1, (k, T)) for t in (x, delta, B, C, z)]
+    for t in parts:
+        if t is not None:  # K changes with the length: a dynamic size, so no recompile
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    x_k, delta_k, B_k, C_k, z_k = parts  # (b, K, T, ED|N)
+    try:
+        y, h = _maybe_compiled(_chunk_loop, True, x.device)(x_k, delta_k, A, B_k, C_k, D, z_k, h)
+    except torch._dynamo.exc.TorchDynamoException as e:
+        _compiled_loop_works = False
+        warnings.warn(f"compiling the loop over chunks failed ({type(e).__name__}: {e}); compiled "
+                      f"forward passes now call the compiled chunk once per chunk instead")
+        return None
+    return y.flatten(1, 2), h  # (b, K·T, ED), (b, ED, N)
+
+
+def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
+                           recompute=True, compile=False):
+    """The scan chunk by chunk (fp32 inputs). Returns y (b, L, ED) and the final state (b, ED, N)."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    b, l, ed = x.shape
+    T = chunk_size
+    pad = (-l) % T
+    if pad:  # identity steps: Δ = 0 gives dA = 1, dBx = 0 (their outputs are dropped)
+        x, delta, B, C, z = (None if t is None else F.pad(t, (0, 0, 0, pad)) for t in (x, delta, B, C, z))
+    h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (b, ED, N)
+    recompute = recompute and needs_grad
+    if compile == "loop" and not needs_grad and _compiled_loop_works:
+        out = _forward_in_one_call(x, delta, A, B, C, D, z, h, T)
+        if out is not None:
+            return out[0][:, :l], out[1]  # (b, L, ED), (b, ED, N)
+    step = _maybe_compiled(_scan_chunk, compile, x.device)
+
+    def chunks(t):
+        # split, not t[:, s:s+T]: autograd's backward of a slice writes a zero tensor of the whole
+        # sequence per chunk (quadratic in L), a split's backward is one cat. Contiguous chunks:
+        # their strides then do not depend on L, so neither does the compile.
+        if t is None:
+            return [None] * ((l + pad) // T)
+        return [c.contiguous() for c in t.split(T, dim=1)]  # (b, T, ED|N) each
+
+    ys = []
+    for x_c, delta_c, B_c, C_c, z_c in zip(*map(chunks, (x, delta, B, C, z))):
+        if recompute:
+            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile)
+        else:
+            y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h)
+        ys.append(y)
+    return torch.cat(ys, dim=1)[:, :l], h  # (b, L, ED), (b, ED, N)
+
+
+# The public entry point. It keeps the signature of the official selective_scan_fn (with Δ
+# already through softplus, and a (b, L, ED) layout instead of its (b, ED, L)) and sends each
+# call to the reference of section 2 or to the chunked path above.
+
+SCAN_BACKENDS = ("auto", "sequential", "pscan", "associative", "chunked")
+COMPILE_MODES = (False, True, "loop")
+
+
+def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
+                   return_last_state=False, chunk_size=16, recompute=True):
+    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z).
+
+    Args:
+        x:       (b, L, ED)  input
+        delta:   (b, L, ED)  step size Δ (after softplus)
+        A:       (ED, N)     diagonal state matrix, negative
+        B, C:    (b, L, N)   input and output matrices
+        D:       (ED,)       skip connection, or None
+        z:       (b, L, ED)  gate, or None
+        h0:      (b, ED, N)  initial state, or None for zeros
+        backend: "sequential", "pscan", "associative" (selective_scan_reference: pscan.py over
+                 materialized tensors), "chunked" (this section) or "auto" (pscan.scan's choice)
+        compile: False; True to run the chunked path through torch.compile (implies
+                 backend="chunked"), chunk by chunk; "loop" to compile, for forward-only passes,
+                 the loop over chunks as well (faster on long sequences, but every new process
+                 compiles it again)
+        chunk_size, recompute: the chunked path's T and its recomputing backward (see above)
+    Returns:
+        y: (b, L, ED) in x's dtype, and with return_last_state the final state (b, ED, N) in fp32
+        (fp64 for fp64 inputs)
+    """
+    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile)
+    out_dtype = x.dtype
+    if compile or backend == "chunked":
+        x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
+        D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
+        y, h_last = chunked_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
+    else:
+        y, h_last = selective_scan_reference(x, delta, A, B, C, D, z, h0, backend)
+    y = y.to(out_dtype)
+    return (y, h_last) if return_last_state else y
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. Loading checkpoints
 # ------------------------------------------------------------------------------------------------
 # Official (state-spaces/mamba-130m ...): config.json with d_model, n_layer, vocab_size, ssm_cfg,
 # pad_vocab_size_multiple, ...; weights in pytorch_model.bin under our key names.
@@ -943,3 +956,125 @@ def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
             keep_fp32 = name.endswith(("mixer.A_log", "mixer.D")) and dtype in (torch.float16, torch.bfloat16)
             p.data = p.data.to(torch.float32 if keep_fp32 else dtype)
     return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. Appendix: input checks
+# ------------------------------------------------------------------------------------------------
+# Bad input gets an error that names what was expected, before any work is done. None of these
+# checks reads a tensor's values except _check_token_range, which is kept off the per-token path
+# (on a GPU, reading a value waits for the device).
+
+def _is_positive_int(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_config(cfg):
+    for name in ("d_model", "n_layer", "vocab_size", "d_state", "expand", "d_conv",
+                 "pad_vocab_size_multiple", "chunk_size"):
+        value = getattr(cfg, name)
+        if not _is_positive_int(value):
+            raise ValueError(f"MambaConfig.{name} must be a positive integer, got {value!r}")
+    if cfg.dt_rank != "auto" and not _is_positive_int(cfg.dt_rank):
+        raise ValueError(f"MambaConfig.dt_rank must be 'auto' or a positive integer, got {cfg.dt_rank!r}")
+    if cfg.scan_backend not in SCAN_BACKENDS:
+        raise ValueError(f"MambaConfig.scan_backend must be one of {SCAN_BACKENDS}, got {cfg.scan_backend!r}")
+    if cfg.compile_scan not in COMPILE_MODES:
+        raise ValueError(f"MambaConfig.compile_scan must be one of {COMPILE_MODES}, got {cfg.compile_scan!r}")
+    if cfg.dt_init not in ("random", "constant"):
+        raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {cfg.dt_init!r}")
+    if not 0 < cfg.dt_min <= cfg.dt_max:
+        raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
+
+
+def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
+    if backend not in SCAN_BACKENDS:
+        raise ValueError(f"backend must be one of {SCAN_BACKENDS}, got {backend!r}")
+    if compile not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape (B, L, ED) (batch, length, channels), got {tuple(x.shape)}")
+    b, l, ed = x.shape
+    if l == 0:
+        raise ValueError("the sequence length must be at least 1, got x of shape (batch, 0, ED)")
+    if A.dim() != 2 or A.shape[0] != ed:
+        raise ValueError(f"A must have shape (ED, N) = ({ed}, N), got {tuple(A.shape)}")
+    given = {name: t for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D),
+                                     ("z", z), ("h0", h0)) if t is not None}
+    for name, t in given.items():
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    computed_in = {name: _at_least_fp32(t).dtype for name, t in given.items()}
+    if len(set(computed_in.values())) > 1:  # fp16/bf16 count as fp32: they are computed in fp32
+        raise ValueError(f"selective_scan's inputs must be all float64 or all at most float32 (fp16/bf16 "
+                         f"are computed in fp32), got {', '.join(f'{k} {t.dtype}' for k, t in given.items())}")
+    n = A.shape[1]
+    expected = {"delta": (b, l, ed), "B": (b, l, n), "C": (b, l, n), "D": (ed,), "z": (b, l, ed),
+                "h0": (b, ed, n)}
+    for name, t in (("delta", delta), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
+        if t is not None and tuple(t.shape) != expected[name]:
+            raise ValueError(f"{name} must have shape {expected[name]}, got {tuple(t.shape)}")
+
+
+def _check_token_ids(input_ids, rank=2):
+    shape = "(B, L)" if rank == 2 else "(B,)"
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != rank:
+        got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a tensor of shape {shape} (batch{', length' if rank == 2 else ''}), "
+                         f"got {got}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids must not be empty, got shape {tuple(input_ids.shape)}")
+
+
+def _check_token_range(input_ids, vocab_size):
+    lo, hi = int(input_ids.min()), int(input_ids.max())  # reads values: a device sync on a GPU
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got min {lo} and max {hi}")
+
+
+def _check_step_inputs(model, token_ids, cache):
+    """Everything `step` will write into, checked before it writes anything: a bad cache must
+    neither broadcast silently nor fail after some layers were already advanced. The ids' range
+    is checked only where they live on the CPU (no device sync); generate skips it all."""
+    _check_token_ids(token_ids, rank=1)
+    if token_ids.device.type == "cpu":
+        _check_token_range(token_ids, model.cfg.vocab_size)
+    cfg, n_layer, batch = model.cfg, len(model.backbone.layers), token_ids.shape[0]
+    if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
+        got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+        raise ValueError(f"cache must be a list of {n_layer} (conv_state, ssm_state) pairs, one per "
+                         f"layer, as prefill returns it; got {got}")
+    for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
+        mixer = layer.mixer
+        if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
+            raise ValueError(f"cache[{i}] must be a (conv_state, ssm_state) pair")
+        expected = (("conv_state", (batch, cfg.d_inner, cfg.d_conv), mixer.conv1d.weight.dtype),
+                    ("ssm_state", (batch, cfg.d_inner, cfg.d_state), _at_least_fp32(mixer.A_log).dtype))
+        device = mixer.conv1d.weight.device
+        for t, (name, shape, dtype) in zip(layer_cache, expected):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"cache[{i}] {name} must have shape {shape} (batch, d_inner, "
+                                 f"{'d_conv' if name == 'conv_state' else 'd_state'}) for a batch of "
+                                 f"{batch} tokens, got {got}")
+            if t.dtype != dtype or t.device != device:
+                raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
+                                 f"it for this model), got {t.dtype} on {t.device}")
+
+
+def _check_sampling(temperature, top_k, top_p):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not 0 <= temperature < math.inf:  # also refuses NaN
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and not _is_positive_int(top_k):
+        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p!r}")
+
+
+def _check_generate_arguments(max_new_tokens, temperature, top_k, top_p):
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    _check_sampling(temperature, top_k, top_p)

@@ -682,8 +682,8 @@ def test_generate_reads_the_token_values_once_not_per_token(monkeypatch):
     # reading min/max of the ids waits for a GPU: once for the prompt, never per generated token
     model = tiny_model().eval()
     reads = []
-    check = model._check_id_range
-    monkeypatch.setattr(model, "_check_id_range", lambda ids: reads.append(ids.shape) or check(ids))
+    check = mm._check_token_range
+    monkeypatch.setattr(mm, "_check_token_range", lambda ids, v: reads.append(ids.shape) or check(ids, v))
     prompt = torch.randint(0, 21, (2, 5), generator=torch.Generator().manual_seed(0))
     out = model.generate(prompt, max_new_tokens=6, top_k=1)
     assert reads == [(2, 5)]
