@@ -193,7 +193,7 @@ class MambaConfig:
     dt_scale: float = 1.0
     dt_init: str = "random"  # dt_proj.weight uniform in ±dt_rank^-0.5·dt_scale, or "constant" at +that
     norm_epsilon: float = 1e-5
-    pad_vocab_size_multiple: int = 8  # official layout only: the head's rows a multiple of 8
+    pad_vocab_size_multiple: int = 8  # official layout only: aligned shapes run faster on GPUs
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
     # how to run the selective scan (section 6; not part of a checkpoint's identity)
@@ -233,12 +233,12 @@ class RMSNorm(nn.Module):
 
 class MambaMixer(nn.Module):
     """The Mamba block (the official `Mamba` module, named `mixer` in the official tree; the
-    paper's Figure 3). Its forward mirrors the official Mamba.forward / mamba_inner_ref:
+    paper's §3.4 and Figure 3). Its forward mirrors the official Mamba.forward / mamba_inner_ref:
 
-      hidden ─ in_proj ─┬─ x ─ causal conv1d ─ SiLU ─┬───────────────── x ───────────────┐
-                        │                               └─ x_proj, dt_proj ─ Δ, B, C ───────┤
-                        │                                          selective scan: y = C·h + D·x
-                        └─ z ─ SiLU ───────────────────────────────────────────── × y ─ out_proj ─ out
+      hidden ─ in_proj ─┬─ x ─ causal conv1d ─ SiLU ─┬──────────────── x ─────────────┐
+                        │                            └─ x_proj, dt_proj ─ Δ, B, C ────┤
+                        │                                  selective scan: y = C·h + D·x
+                        └─ z ─ SiLU ──────────────────────────────────────── × y ─ out_proj ─ out
 
     x is the scan's input; Δ, B and C are computed from the same x, so they see the last d_conv
     tokens through the conv.
