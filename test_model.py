@@ -86,6 +86,16 @@ def test_selective_scan_matches_float64_reference(backend, chunk_size, recompute
     assert_matches_reference(L, backend=backend, chunk_size=chunk_size, recompute=recompute)
 
 
+@pytest.mark.parametrize("backend", ["sequential", "pscan", "associative", "auto"])
+def test_selective_scan_reference_matches_the_float64_loop(backend):
+    # the few-line reference of section 2 itself, as a reader meets it, before any dispatcher
+    inputs = scan_inputs(l=13)
+    y, h = mm.selective_scan_reference(*inputs, backend=backend)
+    y_ref, h_ref = reference_selective_scan(*inputs)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+
+
 def test_selective_scan_without_optional_inputs():
     x, delta, A, B, C, *_ = scan_inputs()
     y_ref, _ = reference_selective_scan(x, delta, A, B, C)
