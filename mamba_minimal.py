@@ -667,8 +667,13 @@ class _RecomputedChunk(torch.autograd.Function):
         return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h))
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_h):
+        # Its gradients are computed, not recorded, so they cannot be differentiated again. Say
+        # so: @once_differentiable would let torch.autograd.functional.hessian return zeros.
+        if torch.is_grad_enabled():
+            raise RuntimeError("the chunked selective scan's recomputing backward cannot be differentiated "
+                               "again (create_graph=True, a Hessian); use recompute=False (plain autograd "
+                               "through each chunk) or backend='sequential'")
         # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
         backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
         grads = backward(*_detached(*ctx.saved_tensors), grad_y.contiguous(), grad_h.contiguous())

@@ -793,3 +793,19 @@ def test_top_k_keeps_exactly_k_tokens():
     g = torch.Generator().manual_seed(0)
     for k, kept in ((1, {1}), (2, {1, 2}), (3, {1, 2, 5})):
         assert set(mm.sample_next(logits, top_k=k, generator=g).tolist()) == kept, k
+
+
+def test_second_derivatives_are_right_or_refused():
+    # the recomputing backward is not itself differentiable: a Hessian must fail loudly, never
+    # come back as zeros; plain autograd through the chunks gives the float64 loop's Hessian
+    x, delta, A, B, C, D, z, h0 = scan_inputs(b=1, l=5, ed=2, n=2)
+    want = torch.autograd.functional.hessian(
+        lambda x: reference_selective_scan(x, delta, A, B, C, D, z, h0)[0].pow(2).sum(), x)
+    for kwargs in (dict(backend="chunked", chunk_size=2, recompute=False), dict(backend="sequential")):
+        got = torch.autograd.functional.hessian(
+            lambda x: mm.selective_scan(x, delta, A, B, C, D, z, h0, **kwargs).pow(2).sum(), x)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        torch.autograd.functional.hessian(
+            lambda x: mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="chunked", chunk_size=2,
+                                        recompute=True).pow(2).sum(), x)
