@@ -302,22 +302,30 @@ def _blelloch_(x, w, reverse=False):
 # ------------------------------------------------------------------------------------------------
 # 7. The Hillis-Steele scan
 # ------------------------------------------------------------------------------------------------
-# The other classic (Hillis & Steele 1986). At level k every element combines with the one
-# d = 2^k before it, all at once; after the level, element t holds max(0, t-2d+1):t+1. For L = 8:
+# The other classic (Hillis & Steele 1986). At level k every element t >= d = 2^k combines with
+# the element d before it, all at once. Each row is the state after its level:
 #
-#   t:        0      1      2      3      4      5      6      7
-#   d = 1     x0 ──> x1     x2     x3     x4     x5     x6     x7     every t >= 1 takes t-1
-#   d = 2     0:1    0:2 ─> 1:3    2:4    3:5    4:6    5:7    6:8    every t >= 2 takes t-2
-#   d = 4     0:1    0:2    0:3    0:4 ─> 1:5    2:6    3:7    4:8    every t >= 4 takes t-4
-#   result    0:1    0:2    0:3    0:4    0:5    0:6    0:7    0:8
+#   t:          0      1      2      3      4      5      6      7
+#   start       x0     x1     x2     x3     x4     x5     x6     x7
+#   d = 1       0:1    0:2    1:3    2:4    3:5    4:6    5:7    6:8     t takes t-1
+#   d = 2       0:1    0:2    0:3    0:4    1:5    2:6    3:7    4:8     t takes t-2
+#   d = 4       0:1    0:2    0:3    0:4    0:5    0:6    0:7    0:8     t takes t-4
 #
-# (one arrow drawn per level; every element to its right does the same). Depth: ceil(log2 L)
-# levels, half of Blelloch's. Work: L - d combines at each level, about L·log2(L) in all, against
-# Blelloch's 2L. Which wins depends on the machine (seed 000 §2.3): with thousands of idle lanes
-# (a GPU, short sequences) the extra work is free and the fewer levels are what counts; once the
-# work no longer fits in one wave of lanes (long sequences, wide states, a CPU) the extra
-# log2(L)/2 factor of work is paid in full. A level cannot update x in place: element t must read
-# its partner's value from before the level, so every level writes a new tensor.
+# (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6).
+#
+# The trade-off, as seed 000 §2.3 puts it, with the counts of this file at L = 1024 (section 5,
+# `python bench.py depth`):
+#
+#   scan            work           depth        counted at L = 1024
+#   Hillis-Steele   O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
+#   Blelloch        O(L)           O(log L)     2036 combines in 19 levels: up, then down
+#   loop            L              L            1024 combines in 1024 levels
+#
+# Hillis-Steele does about log2(L)/2 times Blelloch's work in half its levels. With thousands of
+# idle lanes (a GPU, a short sequence) the extra work is free and each level saved is a launch or
+# a barrier saved; once the work fills the machine (long sequences, wide states, any CPU) the extra
+# work is paid in full, and Blelloch wins. A Hillis-Steele level cannot update x in place: element
+# t must read its partner's value from before the level, so every level writes a new tensor.
 
 def _hillis_steele(x, w, reverse=False):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -536,10 +544,12 @@ def scan_chunked(a, b, h0=None, chunk_size=64):
 # 10. torch's associative_scan
 # ------------------------------------------------------------------------------------------------
 # torch ships a generic parallel scan, torch._higher_order_ops.associative_scan (a prototype,
-# private API), which takes the combine rule as a Python function. Its combine_mode "pointwise"
-# compiles it into one Triton kernel and needs a CUDA or XPU device; "generic" runs anywhere. We
-# run it without autograd (its own backward is costlier: it saves far more than a and h) and reuse
-# the reverse-scan backward of section 9, with the Blelloch tree running the reverse scan.
+# private API), which takes the combine rule as a Python function. Its combine_mode argument
+# (added in August 2024, pytorch/pytorch#133012) selects "pointwise", which compiles the scan into
+# one Triton kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. This
+# project asks for torch >= 2.6 (requirements.txt) and is tested on 2.13. We run it without
+# autograd (its own backward saves far more than a and h) and reuse the reverse-scan backward of
+# section 9, with the Blelloch tree running the reverse scan.
 
 def _combine(left, right):
     (a1, b1), (a2, b2) = left, right
@@ -580,9 +590,14 @@ def scan_associative(a, b, h0=None):
 # ------------------------------------------------------------------------------------------------
 # Which backend is fastest depends on the device, the width of one step (batch * prod(rest)) and
 # on whether a backward pass follows. On a GPU the loop pays a kernel launch per step, so the
-# tree wins. On a CPU with a backward pass the tree wins too (README, "h = scan(a, b)"), because
-# the loop's autograd graph records L small steps. Forward only, the loop reads each input once
-# and wins once a step is wide enough: CPU_LOOP_MIN_WIDTH, measured by `python bench.py crossover`.
+# tree wins. On a CPU with a backward pass the tree wins too, 2x to 12x in the README's table
+# ("h = scan(a, b)"), because the loop's autograd graph records L small steps. Forward only, the
+# loop reads each input once and catches up as a step gets wider: `python bench.py crossover`
+# (L = 1024, one thread, the README's machine) found the two level at width 4096 and the loop
+# 1.3x to 1.5x ahead from 8192 on, hence the threshold below. It is set for one thread: with two
+# threads on the same machine, while other jobs kept both cores busy, the loop was ahead at every
+# width (pscan's many small strided ops each pay a thread handoff). Hillis-Steele and the chunked
+# scan are here to teach and to count; on a CPU they are slower than pscan (README, same table).
 
 CPU_LOOP_MIN_WIDTH = 8192
 
