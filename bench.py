@@ -215,7 +215,7 @@ def bench_depth(args, device):
     rows = []
     for L in lengths:
         one = (torch.rand(1, L), torch.randn(1, L))  # one recurrence: counts are combines
-        shape = (1, L, 256, 16)
+        shape = (1, L, 64, 16)  # width 1024: Hillis-Steele's L·log2(L) work stays affordable
         a, b = torch.rand(*shape, device=device), torch.randn(*shape, device=device)
         ag, bg = a.clone().requires_grad_(), b.clone().requires_grad_()
         grad = torch.randn_like(a)
@@ -238,7 +238,7 @@ def bench_depth(args, device):
             rows.append([L, k, f"{work:,}", f"{work / L:.2f}", depth, f"{t_f[k]:.1f}", f"{t_b[k]:.1f}",
                          f"{depth * launch_us / 1e3:.2f}"])
     table(f"work (combines) and depth (dependent levels) of one recurrence of length L, counted by "
-          f"pscan.count_combines;\nCPU times at (1, L, 256, 16); GPU ms = depth x {launch_us:.0f} µs, "
+          f"pscan.count_combines;\nCPU times at (1, L, 64, 16); GPU ms = depth x {launch_us:.0f} µs, "
           f"a prediction for a launch-bound GPU, not a measurement",
           ["L", "scan", "work", "work / L", "depth", "fwd ms", "fwd+bwd ms", "GPU fwd ms (predicted)"], rows)
 

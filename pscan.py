@@ -372,7 +372,7 @@ def _hillis_steele(x, w, reverse=False):
 # divide by it, such as h_t = P_t · Σ_{s<=t} b_s / P_s (one cumsum instead of a scan): 1/P_s
 # overflows to inf and inf·0 gives NaN. fp16 reaches that much sooner: its smallest normal is
 # 6e-5, so the product leaves the normal range once Σ Δ·|A| > 9.7 (about ten steps of Δ·|A| = 1)
-# and its largest number, 65504, makes 1/P overflow at the same point. bf16 has fp32's range but
+# and 1/P passes fp16's largest number, 65504, soon after (Σ Δ·|A| > 11). bf16 has fp32's range but
 # 8 significant bits: a_t = 0.999 rounds to 1.0, so a long product of rounded factors drifts by
 # about T·2^-9. Hence small chunks, products kept in fp32 (this file accumulates half inputs in
 # fp32), and Mamba-2's ssd_minimal works with sums of logs (`segsum`) and exponentiates only
@@ -590,7 +590,7 @@ def scan_associative(a, b, h0=None):
 # ------------------------------------------------------------------------------------------------
 # Which backend is fastest depends on the device, the width of one step (batch * prod(rest)) and
 # on whether a backward pass follows. On a GPU the loop pays a kernel launch per step, so the
-# tree wins. On a CPU with a backward pass the tree wins too, 2x to 12x in the README's table
+# tree wins. On a CPU with a backward pass the tree wins too, 1.7x to 12x in the README's table
 # ("h = scan(a, b)"), because the loop's autograd graph records L small steps. Forward only, the
 # loop reads each input once and catches up as a step gets wider: `python bench.py crossover`
 # (L = 1024, one thread, the README's machine) found the two level at width 4096 and the loop
