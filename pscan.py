@@ -163,9 +163,9 @@ def scan_time_invariant(a, b, h0=None):
 # opposite of the mathematician's f∘g ("g first"). Function composition is associative, hence so
 # is this rule: (s1∘s2)∘s3 = s1∘(s2∘s3), and both sides expand to (a3*a2*a1, a3*a2*b1 + a3*b2 + b3).
 #
-# Associativity is all a parallel scan needs. The prefix P_t = s_0∘s_1∘...∘s_t is one step
-# (A_t, B_t) that maps h0 to h_t, so h_t = A_t*h0 + B_t: the b-part B_t alone is h_t only when
-# h0 = 0. A nonzero h0 is one more step (0, h0) in front of s_0 (it maps anything to h0); the scans
+# Associativity is all a parallel scan needs. The prefix s_0∘s_1∘...∘s_t is one step
+# (a_{0:t+1}, b_{0:t+1}) that maps h0 to h_t, so h_t = a_{0:t+1}*h0 + b_{0:t+1}: its b-part alone
+# is h_t only when h0 = 0. A nonzero h0 is one more step (0, h0) in front of s_0 (it maps anything to h0); the scans
 # below fold it into the first step instead, b_0 <- a_0*h0 + b_0, and then scan from zero. And we
 # may bracket the product however we like, for instance as a balanced tree whose levels run in
 # parallel (sections 6 to 8).
