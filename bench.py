@@ -2,6 +2,8 @@
 bench.py: side-by-side timings and memory of the scan backends.
 
     python bench.py scan          # h = scan(a, b): every backend vs the loop and a memory floor
+    python bench.py depth         # work and depth of each scan, counted, beside its CPU time
+    python bench.py crossover     # forward only: from which width the loop beats pscan on a CPU
     python bench.py selective     # selective_scan: eager backends vs the fused chunked path
     python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
     python bench.py generate      # cost per generated token at position 16 vs 4096
@@ -127,6 +129,8 @@ def memory_case(spec):
 SCAN_BACKENDS = {
     "loop": ps.scan_sequential,
     "pscan": ps.pscan,
+    "hillis_steele": ps.scan_hillis_steele,
+    "chunked": ps.scan_chunked,
     "associative": ps.scan_associative,
 }
 
@@ -169,6 +173,7 @@ def bench_scan(args, device):
         backends = dict(SCAN_BACKENDS)
         if L * B * D * N > 4096 * 256 * 16 or (args.quick and L > 256):
             backends.pop("associative")  # generic associative_scan is slow and memory-hungry
+            backends.pop("hillis_steele")  # a new (B, L, D, N) tensor per level
         fwd = {"floor": lambda: torch.addcmul(b, a, b)}
         fwd.update({k: (lambda f=f: f(a, b)) for k, f in backends.items()})
         ag, bg = a.clone().requires_grad_(), b.clone().requires_grad_()
@@ -201,6 +206,56 @@ def bench_scan(args, device):
     if mem_rows:
         table("peak memory of forward+backward, in (B, L, D, N) tensors beyond the inputs a, b and "
               "the incoming gradient", ["(B, L, D, N)", "backend", "tensors"], mem_rows)
+
+
+def bench_depth(args, device):
+    """Work and depth of each scan as pscan.count_combines counts them, beside their CPU times."""
+    launch_us = 5.0  # a GPU kernel launch, roughly (seed 000 §1.1 says 5-10 µs)
+    lengths = (256,) if args.quick else (1024, 4096)
+    rows = []
+    for L in lengths:
+        one = (torch.rand(1, L), torch.randn(1, L))  # one recurrence: counts are combines
+        shape = (1, L, 64, 16)  # width 1024: Hillis-Steele's L·log2(L) work stays affordable
+        a, b = torch.rand(*shape, device=device), torch.randn(*shape, device=device)
+        ag, bg = a.clone().requires_grad_(), b.clone().requires_grad_()
+        grad = torch.randn_like(a)
+        names = ["loop", "pscan", "hillis_steele", "chunked"]
+        counts = {}
+        for name in names:
+            with ps.count_combines() as levels:
+                SCAN_BACKENDS[name](*one)
+            counts[name] = (sum(levels), len(levels))
+
+        def fb(f):
+            ag.grad = bg.grad = None
+            f(ag, bg).backward(grad)
+
+        reps = max(3, args.repeats // (2 if L > 1024 else 1))
+        t_f = interleaved({k: (lambda f=SCAN_BACKENDS[k]: f(a, b)) for k in names}, reps, device)
+        t_b = interleaved({k: (lambda f=SCAN_BACKENDS[k]: fb(f)) for k in names}, max(3, reps // 2), device)
+        for k in names:
+            work, depth = counts[k]
+            rows.append([L, k, f"{work:,}", f"{work / L:.2f}", depth, f"{t_f[k]:.1f}", f"{t_b[k]:.1f}",
+                         f"{depth * launch_us / 1e3:.2f}"])
+    table(f"work (combines) and depth (dependent levels) of one recurrence of length L, counted by "
+          f"pscan.count_combines;\nCPU times at (1, L, 64, 16); GPU ms = depth x {launch_us:.0f} µs, "
+          f"a prediction for a launch-bound GPU, not a measurement",
+          ["L", "scan", "work", "work / L", "depth", "fwd ms", "fwd+bwd ms", "GPU fwd ms (predicted)"], rows)
+
+
+def bench_crossover(args, device):
+    """Forward only, no autograd: pscan's time over the loop's as a step gets wider. This sets
+    pscan.CPU_LOOP_MIN_WIDTH (run with --threads 1 and 2)."""
+    L = 256 if args.quick else 1024
+    rows = []
+    for D in (64, 128, 256, 512, 1024, 1536):
+        a, b = torch.rand(1, L, D, 16, device=device), torch.randn(1, L, D, 16, device=device)
+        t = interleaved({"loop": lambda: ps.scan_sequential(a, b), "pscan": lambda: ps.pscan(a, b)},
+                        args.repeats, device)
+        rows.append([f"(1, {L}, {D}, 16)", D * 16, f"{t['loop']:.1f}", f"{t['pscan']:.1f}",
+                     f"{t['pscan'] / t['loop']:.2f}"])
+    table("forward only: median ms, and pscan / loop (above 1: the loop is faster)",
+          ["(B, L, D, N)", "width", "loop ms", "pscan ms", "pscan / loop"], rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,7 +448,8 @@ def bench_generate(args, device):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="*", help="tables to print: scan (default), selective, train, generate, all")
+    p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
+                                           "train, generate, all")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
@@ -405,7 +461,8 @@ def main():
         return memory_case(json.loads(args.memory_case))
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    tables = {"scan": bench_scan, "selective": bench_selective, "train": bench_train, "generate": bench_generate}
+    tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
+              "selective": bench_selective, "train": bench_train, "generate": bench_generate}
     whats = args.what or ["scan"]
     if whats == ["all"]:
         whats = list(tables)

@@ -8,8 +8,12 @@ import pscan as ps
 BACKENDS = {
     "sequential": ps.scan_sequential,
     "pscan": ps.pscan,
+    "hillis_steele": ps.scan_hillis_steele,
+    "chunked": ps.scan_chunked,  # chunks of 64: one chunk for short L, 17 at L = 1025
+    "chunked_4": lambda a, b, h0=None: ps.scan_chunked(a, b, h0, chunk_size=4),  # many chunks, padding
     "associative": ps.scan_associative,
 }
+CUSTOM_BACKWARD = [name for name in BACKENDS if name != "sequential"]
 LENGTHS = [1, 2, 3, 5, 7, 8, 9, 16, 17, 100, 1000, 1025]
 REST_SHAPES = [(), (3,), (2, 4)]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -66,7 +70,7 @@ def test_backend_matches_float64_loop_forward_and_gradients(name, L, rest, devic
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=f"grad wrt {what}")
 
 
-@pytest.mark.parametrize("name", ["pscan", "associative"])
+@pytest.mark.parametrize("name", CUSTOM_BACKWARD)
 @pytest.mark.parametrize("L", [1, 2, 5, 8, 13])
 def test_custom_backward_passes_gradcheck(name, L):
     a, b, h0 = make_inputs(2, L, (3,))
@@ -155,7 +159,7 @@ def test_auto_matches_reference_with_and_without_grad():
         (([[1.0]], torch.zeros(1, 1)), "tensors"),
     ],
 )
-@pytest.mark.parametrize("backend", ["auto", "sequential", "pscan", "associative"])
+@pytest.mark.parametrize("backend", ps.BACKENDS)
 def test_bad_input_raises_value_error_naming_the_expectation(backend, args, message):
     with pytest.raises(ValueError, match=message):
         ps.scan(*args, backend=backend)
@@ -164,3 +168,197 @@ def test_bad_input_raises_value_error_naming_the_expectation(backend, args, mess
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="backend must be one of"):
         ps.scan(torch.zeros(1, 2), torch.zeros(1, 2), backend="cumsum")
+
+
+def test_unknown_or_bad_chunk_size_raises():
+    a, b, _ = make_inputs(1, 8, ())
+    for bad in (0, -3, 2.5, True, None):
+        with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+            ps.scan_chunked(a, b, chunk_size=bad)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_empty_batch_gives_empty_results_and_gradients(name):
+    a, b, h0 = (t.requires_grad_() for t in (torch.rand(0, 9, 3), torch.randn(0, 9, 3), torch.randn(0, 3)))
+    h = BACKENDS[name](a, b, h0)
+    assert h.shape == (0, 9, 3)
+    grads = torch.autograd.grad(h.sum(), (a, b, h0), allow_unused=True)
+    assert [None if g is None else tuple(g.shape) for g in grads] == [(0, 9, 3), (0, 9, 3), (0, 3)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Second derivatives and torch.func
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_hessian_matches_float64_loop(name):
+    # Hand check of the oracle: h = (a*h0 + b) for L = 1, loss = h^2 has d2/db2 = 2,
+    # d2/da2 = 2*h0^2, d2/da db = 2*h0.
+    one = [torch.tensor([[0.5]], dtype=torch.float64), torch.tensor([[1.0]], dtype=torch.float64),
+           torch.tensor([3.0], dtype=torch.float64)]
+    for fn in (reference, BACKENDS[name]):
+        H = torch.autograd.functional.hessian(lambda a, b, h0: (fn(a, b, h0) ** 2).sum(), tuple(one))
+        assert H[0][0].item() == 18.0 and H[1][1].item() == 2.0 and H[0][1].item() == 6.0
+    a, b, h0 = make_inputs(1, 6, (2,))
+    weight = torch.randn(1, 6, 2, dtype=torch.float64)
+
+    def loss(fn):  # not quadratic in h, so the Hessian sees every second-order path
+        return lambda a, b, h0: (weight * fn(a, b, h0) ** 3).sum()
+
+    got = torch.autograd.functional.hessian(loss(BACKENDS[name]), (a, b, h0))
+    want = torch.autograd.functional.hessian(loss(reference), (a, b, h0))
+    for i in range(3):
+        for j in range(3):
+            assert want[i][j].abs().max() > 0.1
+            torch.testing.assert_close(got[i][j], want[i][j], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", CUSTOM_BACKWARD)
+def test_custom_backward_passes_gradgradcheck(name):
+    a, b, h0 = (t.requires_grad_() for t in make_inputs(2, 9, (2,)))
+    assert torch.autograd.gradgradcheck(BACKENDS[name], (a, b, h0))
+    assert torch.autograd.gradgradcheck(lambda a, b: BACKENDS[name](a, b), (a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", CUSTOM_BACKWARD)
+def test_second_derivative_in_low_precision_is_close_to_float64(name, dtype):
+    a, b, h0 = make_inputs(2, 50, (3,))
+    v = torch.randn_like(a)
+
+    def hvp(fn, dtype):  # Hessian-vector product of sum(h^2) wrt a, by double backward
+        x = a.to(dtype).requires_grad_()
+        g = torch.autograd.grad((fn(x, b.to(dtype), h0.to(dtype)).float() ** 2).sum(), x, create_graph=True)[0]
+        return torch.autograd.grad((g.float() * v).sum(), x)[0].double()
+
+    want = hvp(reference, torch.float64)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(hvp(BACKENDS[name], dtype), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap loops over addcmul_
+@pytest.mark.parametrize("name", BACKENDS)
+def test_torch_func_grad_jvp_vmap_match_float64_loop(name):
+    a, b, h0 = make_inputs(2, 11, (3,))
+    fn = BACKENDS[name]
+
+    def loss(f):
+        return lambda a, b, h0: (f(a, b, h0) ** 2).sum()
+
+    for got, want in zip(torch.func.grad(loss(fn), argnums=(0, 1, 2))(a, b, h0),
+                         torch.func.grad(loss(reference), argnums=(0, 1, 2))(a, b, h0)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    tangents = tuple(torch.randn_like(t) for t in (a, b, h0))
+    got = torch.func.jvp(fn, (a, b, h0), tangents)
+    want = torch.func.jvp(reference, (a, b, h0), tangents)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    stacked = [torch.stack([t, 2 * t]) for t in (a, b, h0)]  # an extra leading dim for vmap
+    torch.testing.assert_close(torch.func.vmap(fn)(*stacked), torch.func.vmap(reference)(*stacked))
+    g = torch.func.vmap(torch.func.grad(loss(fn), argnums=(0, 1, 2)))(*stacked)
+    w = torch.func.vmap(torch.func.grad(loss(reference), argnums=(0, 1, 2)))(*stacked)
+    torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------------
+# The convolution view, the chunk's products, the choice of "auto"
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L", [1, 2, 7, 64, 301])
+def test_time_invariant_scan_is_a_convolution(L):
+    a, b, h0 = make_inputs(2, L, (3,))
+    a_const = a[:, 0]  # (2, 3), the same at every step
+    expected = reference(a_const.unsqueeze(1).expand_as(b), b, h0)
+    torch.testing.assert_close(ps.scan_time_invariant(a_const, b, h0), expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ps.scan_time_invariant(a_const, b), reference(a_const.unsqueeze(1).expand_as(b), b),
+                               rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"a must have shape \(batch, \*rest\)"):
+        ps.scan_time_invariant(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_chunked_is_exact_when_the_chunk_product_underflows(dtype):
+    # a = 0.01: the product over a 64-step chunk is 1e-128, zero in every float format. It only
+    # scales the carried-in state, whose true contribution is that small: no NaN, no error.
+    a, b, h0 = make_inputs(2, 300, (4,))
+    a = torch.full_like(a, 0.01)
+    a_, b_, h0_ = (t.to(dtype).requires_grad_() for t in (a, b, h0))
+    h = ps.scan_chunked(a_, b_, h0_, chunk_size=64)
+    want = reference(a_.detach(), b_.detach(), h0_.detach())  # exact for the rounded inputs
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(h.double(), want, rtol=tol, atol=tol)
+    grads = torch.autograd.grad(h.float().sum(), (a_, b_, h0_))
+    assert all(torch.isfinite(g.float()).all() for g in grads)
+    # what the bound protects against: dividing by the same product, h_t = P_t * cumsum(b / P),
+    # gives inf * 0 = NaN in this chunk
+    P = torch.cumprod(a.float()[:, :64], dim=1)
+    assert torch.isnan(P * torch.cumsum(b.float()[:, :64] / P, dim=1)).any()
+
+
+def test_auto_chooses_the_loop_only_for_wide_cpu_forward_passes():
+    wide = make_inputs(1, 5, (ps.CPU_LOOP_MIN_WIDTH,), dtype=torch.float32)
+    narrow = make_inputs(1, 5, (16,), dtype=torch.float32)
+    assert ps.choose_backend(*wide) == "sequential"
+    assert ps.choose_backend(*narrow) == "pscan"
+    for i in range(3):  # a gradient wrt any input: the loop would record L autograd steps
+        inputs = list(wide)
+        inputs[i] = inputs[i].clone().requires_grad_()
+        assert ps.choose_backend(*inputs) == "pscan"
+        with torch.no_grad():
+            assert ps.choose_backend(*inputs) == "sequential"
+    meta = [t.to("meta") for t in wide]  # any other device: every step would be a launch
+    assert ps.choose_backend(*meta) == "pscan"
+
+
+def test_auto_runs_the_backend_it_chose():
+    # told apart by their depth: the loop runs L dependent levels, pscan about 2*log2(L)
+    a, b, h0 = make_inputs(1, 64, (ps.CPU_LOOP_MIN_WIDTH,), dtype=torch.float32)
+    with ps.count_combines() as levels:
+        ps.scan(a, b, h0)
+    assert len(levels) == 64
+    with ps.count_combines() as levels:
+        h = ps.scan(a.requires_grad_(), b, h0)
+    assert len(levels) == 2 * 6 - 1 + 1  # the tree, and h0 folded into the first step
+    torch.testing.assert_close(h.double(), reference(a, b, h0), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Work and depth, counted by the code, against the closed forms
+# ------------------------------------------------------------------------------------------------
+
+def blelloch_work(L):  # each size n = L, L//2, L//4, ... > 1 runs n - 1 combines (n//2 up, (n-1)//2 down)
+    return sum(n - 1 for n in iter_halves(L))
+
+
+def blelloch_depth(L):  # each size runs one up level, and a down level when (n-1)//2 > 0
+    return sum(1 + (n >= 3) for n in iter_halves(L))
+
+
+def iter_halves(L):
+    while L > 1:
+        yield L
+        L //= 2
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 8, 100, 1024, 1025, 4096])
+def test_counted_work_and_depth_match_the_formulas(L):
+    a, b, h0 = make_inputs(1, L, (), dtype=torch.float32)
+    log = (L - 1).bit_length()  # ceil(log2 L)
+    T = min(64, L)
+    c = -(-L // T)
+    formulas = {  # (work, depth) with h0 = None
+        "sequential": (L, L),
+        "pscan": (blelloch_work(L), blelloch_depth(L)),
+        "hillis_steele": (sum(L - 2 ** k for k in range(log)), log),
+        "chunked": (c * blelloch_work(T) + (c - 1) + (c - 1) * T, blelloch_depth(T) + (c - 1) + (c > 1)),
+    }
+    if L == 1024:  # the closed forms of the README's table
+        assert formulas["pscan"] == (2 * L - 2 - 10, 2 * 10 - 1)
+        assert formulas["chunked"] == (16 * (2 * T - 2 - 6) + 15 + 15 * T, 2 * 6 - 1 + 15 + 1)
+        assert formulas["hillis_steele"] == (L * 10 - (L - 1), 10)
+    for name, (work, depth) in formulas.items():
+        for start, extra in ((None, 0), (h0, 1)):
+            with ps.count_combines() as levels:
+                ps.scan(a, b, start, backend=name)
+            if name == "sequential":
+                extra = 0  # the loop's first step takes h0 anyway
+            assert (sum(levels), len(levels)) == (work + extra, depth + extra), (name, start is not None)
