@@ -156,7 +156,7 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
         D:       (ED,)       skip connection, or None
         z:       (b, L, ED)  gate, or None
         h0:      (b, ED, N)  initial state, or None for zeros
-        backend: pscan.scan's backend ("auto", "sequential", "pscan", "associative")
+        backend: pscan.scan's backend ("auto", "sequential", "pscan", "hillis_steele", "associative")
     Returns:
         y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
     """
@@ -770,7 +770,9 @@ def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_siz
 # already through softplus, and a (b, L, ED) layout instead of its (b, ED, L)) and sends each
 # call to the reference of section 2 or to the chunked path above.
 
-SCAN_BACKENDS = ("auto", "sequential", "pscan", "associative", "chunked")
+# "chunked" here names the fused path above; pscan.scan_chunked, the two-level scan of pscan.py,
+# is a different algorithm that selective_scan does not use (it is slower than pscan on a CPU).
+SCAN_BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "associative", "chunked")
 COMPILE_MODES = (False, True, "loop")
 
 
@@ -786,8 +788,9 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
         D:       (ED,)       skip connection, or None
         z:       (b, L, ED)  gate, or None
         h0:      (b, ED, N)  initial state, or None for zeros
-        backend: "sequential", "pscan", "associative" (selective_scan_reference: pscan.py over
-                 materialized tensors), "chunked" (this section) or "auto" (pscan.scan's choice)
+        backend: "sequential", "pscan", "hillis_steele", "associative" (selective_scan_reference:
+                 pscan.py over materialized tensors), "chunked" (the fused path of this section)
+                 or "auto" (pscan.scan's choice)
         compile: False; True to run the chunked path through torch.compile (implies
                  backend="chunked"), chunk by chunk; "loop" to compile, for forward-only passes,
                  the loop over chunks as well (faster on long sequences, but every new process
