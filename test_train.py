@@ -1,6 +1,8 @@
 """Specification of train_shakespeare.py, on a small text each test writes for itself."""
 
+import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +15,22 @@ import train_shakespeare as ts
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--block-size", "16", "--batch-size", "4",
         "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--log-interval", "1", "--no-sample"]
+
+
+def without(argv, *flags):
+    """argv with each of these flags and its value left out."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+TIMED = without(TINY, "--warmup-iters")  # for time-based runs, which warm up by --warmup-frac
 
 
 @pytest.fixture
@@ -136,3 +154,122 @@ def test_compiled_training_follows_the_eager_run(text_file, tmp_path, capsys):
     assert len(eager) == len(compiled) == 2
     for e, c in zip(eager, compiled):
         assert abs(e - c) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# The learning-rate schedule and the time budget
+# ------------------------------------------------------------------------------------------------
+
+def schedule_args(**kw):
+    base = dict(lr=1.0, min_lr=0.1, warmup_iters=4, lr_decay_iters=14, max_time=None, warmup_frac=0.2)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_iteration_schedule_is_linear_warmup_then_cosine_to_min_lr():
+    args = schedule_args()
+    cosine = lambda r: 0.1 + 0.45 * (1 + math.cos(math.pi * r))  # lr 1 -> min_lr 0.1 over r in [0, 1]
+    expected = {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 6: cosine(0.2), 9: 0.55, 13: cosine(0.9), 14: 0.1, 50: 0.1}
+    for step, lr in expected.items():
+        assert ts.lr_at(args, step, elapsed=123.0) == pytest.approx(lr, abs=1e-12), step
+
+
+def test_time_schedule_follows_the_fraction_of_the_budget_spent():
+    args = schedule_args(max_time=100.0, warmup_frac=0.1)
+    cosine = lambda r: 0.1 + 0.45 * (1 + math.cos(math.pi * r))
+    expected = {0.0: 0.0, 2.5: 0.25, 5.0: 0.5, 10.0: 1.0, 28.0: cosine(0.2), 55.0: 0.55, 91.0: cosine(0.9),
+                100.0: 0.1, 130.0: 0.1}
+    for elapsed, lr in expected.items():
+        assert ts.lr_at(args, step=7, elapsed=elapsed) == pytest.approx(lr, abs=1e-12), elapsed
+
+
+@pytest.fixture
+def lrs(monkeypatch):
+    """The learning rate of every optimizer step, read from AdamW itself."""
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return seen
+
+
+def fake_clock(monkeypatch, seconds_per_step):
+    """The trainer reads the clock once at the start and once per step: each reading advances it."""
+    state = {"now": 1000.0}
+
+    def clock():
+        state["now"] += seconds_per_step
+        return state["now"]
+
+    monkeypatch.setattr(ts, "clock", clock)
+
+
+def test_time_budget_sets_schedule_evaluations_and_stop(text_file, tmp_path, capsys, monkeypatch, lrs):
+    fake_clock(monkeypatch, 1.0)  # every step takes one second
+    out_dir = str(tmp_path / "timed")
+    args = ["--data", text_file, "--out-dir", out_dir, "--max-time", "10", "--warmup-frac", "0.2",
+            "--num-evals", "5", "--min-lr", "0.001"] + TIMED
+    run(args, capsys)
+    # step k starts after k seconds: warmup to 0.01 over the first 2 s, then cosine to 0.001 by 10 s
+    expected = [0.01 * k / 2 if k < 2 else 0.001 + 0.0045 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in range(10)]
+    assert lrs == pytest.approx(expected, abs=1e-15)
+    records = evals(out_dir)
+    assert [(r["step"], r["elapsed"]) for r in records if "val_loss" in r] == [(2, 2), (4, 4), (6, 6), (8, 8), (10, 10)]
+    assert "full_val_loss" in records[-1]
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 10
+
+
+def test_a_step_that_passes_several_eval_points_evaluates_once(text_file, tmp_path, capsys, monkeypatch, lrs):
+    fake_clock(monkeypatch, 3.0)  # each step passes 1.5 eval points of 2 s
+    out_dir = str(tmp_path / "timed")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-time", "10", "--num-evals", "5"]
+        + TIMED, capsys)
+    assert len(lrs) == 4  # 3, 6, 9, 12 s: the fourth step ends past the budget
+    assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [1, 2, 3, 4]
+
+
+def test_iteration_based_run_ignores_the_clock(text_file, tmp_path, capsys, monkeypatch, lrs):
+    fake_clock(monkeypatch, 1000.0)
+    out_dir = str(tmp_path / "iters")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "6", "--eval-interval", "3",
+         "--lr-decay-iters", "6"] + TINY, capsys)
+    cosine = lambda r: 1e-3 + 0.5 * (1 + math.cos(math.pi * r)) * 9e-3
+    assert lrs == pytest.approx([5e-3, 1e-2, cosine(0), cosine(0.25), cosine(0.5), cosine(0.75)], abs=1e-15)
+    assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [3, 6]
+
+
+def test_time_and_iteration_flags_do_not_mix(text_file, tmp_path):
+    for extra, match in [(["--max-time", "5", "--max-iters", "5"], "not both"),
+                         (["--max-time", "5", "--eval-interval", "5"], "--eval-interval does not apply"),
+                         (["--max-iters", "5", "--num-evals", "5"], "--num-evals does not apply"),
+                         (["--max-time", "0"], "--max-time must be"),
+                         (["--max-time", "nan"], "--max-time must be"),
+                         (["--max-time", "5", "--warmup-frac", "1"], "--warmup-frac must")]:
+        with pytest.raises(SystemExit, match=match):
+            ts.main(["--data", text_file, "--out-dir", str(tmp_path / "x")] + extra)
+
+
+def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monkeypatch):
+    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TIMED
+    fake_clock(monkeypatch, 1.0)
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    broken = str(tmp_path / "broken")
+    real_get_batch = ts.get_batch
+
+    def killed_at_step_6(split, step, *a):
+        if step == 6:
+            raise KeyboardInterrupt
+        return real_get_batch(split, step, *a)
+
+    monkeypatch.setattr(ts, "get_batch", killed_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        run(common + ["--out-dir", broken], capsys)
+    monkeypatch.setattr(ts, "get_batch", real_get_batch)
+    fake_clock(monkeypatch, 1.0)  # a new process: the clock reads anything, only differences count
+    out = run(common + ["--out-dir", broken, "--resume"], capsys)
+    assert "at step 4" in out
+    assert evals(broken) == evals(straight)  # the fake clock makes even "elapsed" equal

@@ -2,10 +2,14 @@
 train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
 
     python train_shakespeare.py                              # train with defaults for this device
+    python train_shakespeare.py --max-time 300               # train for 5 minutes, whatever the machine
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
 The script reads top to bottom: settings, data, model, optimizer, evaluation, the loop, sampling.
+A run is either iteration-based (--max-iters: bit-reproducible, the learning rate follows the step)
+or time-based (--max-time: the learning rate, the evaluations and the stop follow the fraction of
+the time budget spent, so the same curve fits a fast and a slow machine).
 Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
 (one line per evaluation, to plot and compare runs).
 """
@@ -34,11 +38,16 @@ DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 DEFAULTS = {
     # a 0.83M-parameter model sized for a laptop CPU: about 5 minutes to val loss 1.75
     "cpu": dict(d_model=128, n_layer=7, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
-                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto"),
+                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
+                max_time=None, warmup_frac=0.05, num_evals=10),
     # about 11M parameters, in the range of nanoGPT's baby GPT on a GPU
     "cuda": dict(d_model=384, n_layer=6, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
-                 warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto"),
+                 warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
+                 max_time=None, warmup_frac=0.04, num_evals=20),
 }
+# max_time: None means an iteration-based default run (max_iters); a number of seconds makes the
+# default run time-based. warmup_frac and num_evals are the time-based run's warmup and evaluations,
+# chosen as the iteration defaults' 50/1000 and 1000/100.
 DEFAULTS["mps"] = DEFAULTS["cpu"]
 
 
@@ -61,14 +70,18 @@ def parse_args(argv=None):
     t = p.add_argument_group("training (defaults depend on the device)")
     t.add_argument("--block-size", type=int)
     t.add_argument("--batch-size", type=int, help="per process")
-    t.add_argument("--max-iters", type=int)
+    t.add_argument("--max-iters", type=int, help="train this many steps (iteration-based run)")
+    t.add_argument("--max-time", type=float, metavar="SECONDS",
+                   help="train for this many seconds instead, compiling and evaluating included (time-based run)")
     t.add_argument("--lr", type=float, help="peak learning rate")
     t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
-    t.add_argument("--warmup-iters", type=int)
-    t.add_argument("--lr-decay-iters", type=int, help="length of the cosine decay (default max-iters)")
+    t.add_argument("--warmup-iters", type=int, help="iteration-based runs: steps of linear warmup")
+    t.add_argument("--lr-decay-iters", type=int, help="iteration-based runs: length of the cosine decay (default max-iters)")
+    t.add_argument("--warmup-frac", type=float, help="time-based runs: fraction of the budget spent warming up")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--eval-interval", type=int)
+    t.add_argument("--eval-interval", type=int, help="iteration-based runs: steps between evaluations")
+    t.add_argument("--num-evals", type=int, help="time-based runs: evaluations, at equal fractions of the budget")
     t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
     t.add_argument("--log-interval", type=int, default=10)
     t.add_argument("--patience", type=int, default=0, help="stop after this many evals without improvement (0: never)")
@@ -95,18 +108,69 @@ def pick_device(name):
     return torch.device("cpu")
 
 
+ITERATION_FLAGS = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_interval")
+TIME_FLAGS = ("max_time", "warmup_frac", "num_evals")
+
+
+def flag(key):
+    return "--" + key.replace("_", "-")
+
+
 def fill_defaults(args, device):
-    for key, value in DEFAULTS[device.type].items():
+    given = [k for k in ITERATION_FLAGS + TIME_FLAGS if getattr(args, k) is not None]
+    if args.max_iters is not None and args.max_time is not None:
+        sys.exit("error: give --max-iters (an iteration-based run) or --max-time (a time-based run), not both")
+    defaults = dict(DEFAULTS[device.type])
+    if args.max_iters is not None:
+        defaults["max_time"] = None  # asking for iterations overrides a time-based default
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.max_time is not None:
+        args.max_iters = None  # a time-based run: the budget alone says when to stop
+    # flags of the other kind of run would be silently ignored: refuse them
+    wrong = [k for k in given if k in (ITERATION_FLAGS if args.max_time is not None else TIME_FLAGS)]
+    if wrong:
+        kind = "a time-based (--max-time)" if args.max_time is not None else "an iteration-based (--max-iters)"
+        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to {kind} run")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
+    if args.max_time is not None:
+        if not (math.isfinite(args.max_time) and args.max_time > 0):
+            sys.exit(f"error: --max-time must be a positive number of seconds, got {args.max_time}")
+        if not 0 <= args.warmup_frac < 1:
+            sys.exit(f"error: --warmup-frac must lie in [0, 1), got {args.warmup_frac}")
     for key in ("d_model", "n_layer", "block_size", "batch_size", "max_iters", "eval_interval",
-                "eval_iters", "log_interval"):
-        if getattr(args, key) < 1:
+                "eval_iters", "log_interval", "num_evals"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
             sys.exit(f"error: --{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+
+
+def clock():
+    """Seconds on a monotonic clock. The loop reads time only through this function, once per
+    step, so a test can replace it with a fake clock and check a time-based run exactly."""
+    return time.perf_counter()
+
+
+def lr_at(args, step, elapsed):
+    """The learning rate of the next step: linear warmup, then cosine decay to min_lr (as in
+    nanoGPT). An iteration-based run measures progress in steps; a time-based run in the fraction
+    of --max-time spent before this step (its first step, at fraction 0, runs at lr 0: it only
+    primes AdamW's moment estimates)."""
+    if args.max_time is None:
+        progress, warmup, end = step, args.warmup_iters, args.lr_decay_iters
+        if progress < warmup:
+            return args.lr * (step + 1) / warmup  # the step's end: the first step is not wasted
+    else:
+        progress, warmup, end = elapsed / args.max_time, args.warmup_frac, 1.0
+        if progress < warmup:
+            return args.lr * progress / warmup
+    if progress >= end:
+        return args.min_lr
+    ratio = (progress - warmup) / (end - warmup)  # 0 -> 1 over the decay
+    return args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
 def log(*a):
@@ -293,7 +357,7 @@ def main(argv=None):
     os.makedirs(args.out_dir, exist_ok=True)
     last_path, best_path = os.path.join(args.out_dir, "last.pt"), os.path.join(args.out_dir, "best.pt")
     log_path = os.path.join(args.out_dir, "log.jsonl")
-    step, best_val, elapsed_before, tokens_before, bad_evals = 0, float("inf"), 0.0, 0, 0
+    step, best_val, elapsed_before, tokens_before, bad_evals, evals_done = 0, float("inf"), 0.0, 0, 0, 0
     if args.resume:
         if not os.path.exists(last_path):
             sys.exit(f"error: --resume needs {last_path}, which does not exist")
@@ -308,7 +372,7 @@ def main(argv=None):
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"])
         step, best_val = ckpt["step"], ckpt["best_val"]
-        elapsed_before, tokens_before = ckpt["elapsed"], ckpt["tokens"]
+        elapsed_before, tokens_before, evals_done = ckpt["elapsed"], ckpt["tokens"], ckpt["evals_done"]
         log(f"resumed from {last_path} at step {step} (best val {best_val:.4f})")
     else:
         if os.path.exists(last_path):
@@ -328,18 +392,11 @@ def main(argv=None):
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
-    def lr_at(it):  # linear warmup, then cosine decay to min_lr
-        if it < args.warmup_iters:
-            return args.lr * (it + 1) / args.warmup_iters
-        if it >= args.lr_decay_iters:
-            return args.min_lr
-        ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-        return args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
-
     def save(path):
         atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                      "config": cfg.__dict__, "vocab": chars, "step": step, "best_val": best_val,
                      "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "tokens": tokens,
+                     "evals_done": evals_done,
                      "args": vars(args)}, path)
 
     def append_log(**losses):  # one JSON object per line in log.jsonl
@@ -363,14 +420,17 @@ def main(argv=None):
 
     # -------------------------------------------------------------------- the loop
     tokens_per_step = args.batch_size * args.block_size * WORLD
-    elapsed, tokens = elapsed_before, tokens_before
+    tokens = tokens_before
     if args.compile or args.compile_model:
         log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
     model.train()
-    t_start, t_last, step_at_last, step_at_start = time.time(), time.time(), step, step
-    while step < args.max_iters:
+    t_start = t_last = clock()
+    step_at_last = step_at_start = step
+    elapsed = elapsed_before
+    while step < args.max_iters if args.max_time is None else elapsed < args.max_time:
+        lr = lr_at(args, step, elapsed)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = lr
         x, y = get_batch(train_data, step, args, device)
         loss = loss_fn(model, x, y, autocast)
         optimizer.zero_grad(set_to_none=True)
@@ -380,17 +440,26 @@ def main(argv=None):
         optimizer.step()
         step += 1
         tokens += tokens_per_step
-        elapsed = elapsed_before + time.time() - t_start
+        now = clock()  # the only clock reading of the step
+        elapsed = elapsed_before + now - t_start
         first_step = step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
         if step % args.log_interval == 0 or first_step:
-            now = time.time()
             dt = (now - t_last) / max(1, step - step_at_last)
             t_last, step_at_last = now, step
+            if args.max_time is None:
+                progress, left = f"step {step}/{args.max_iters}", dt * (args.max_iters - step)
+            else:
+                progress, left = f"step {step} ({elapsed / args.max_time:.0%})", args.max_time - elapsed
             speed = (f"first step {dt:.1f}s" if first_step else
-                     f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {dt * (args.max_iters - step):.0f}s")
-            log(f"step {step}/{args.max_iters} | loss {loss.item():.4f} | lr {lr_at(step - 1):.2e} | "
-                f"{speed} | elapsed {elapsed:.0f}s")
-        if step % args.eval_interval == 0 or step == args.max_iters:
+                     f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
+            log(f"{progress} | loss {loss.item():.4f} | lr {lr:.2e} | {speed} | elapsed {elapsed:.0f}s")
+        if args.max_time is None:
+            due = step % args.eval_interval == 0 or step == args.max_iters
+        else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
+            points = min(args.num_evals, int(elapsed * args.num_evals / args.max_time))
+            due = points > evals_done or elapsed >= args.max_time
+            evals_done = points
+        if due:
             evaluate()
             if args.patience and bad_evals >= args.patience:
                 log(f"early stop: val loss has not improved for {bad_evals} evaluations")
