@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import train_shakespeare as ts
+from mamba_minimal import MambaConfig, MambaLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--block-size", "16", "--batch-size", "4",
@@ -64,9 +65,9 @@ def test_a_short_run_lowers_the_loss_and_writes_checkpoints(text_file, tmp_path,
     assert {"step", "elapsed", "tokens", "train_loss", "val_loss"} <= set(records[0])
     assert records[-1]["full_val_loss"] > 0
     for name in ("last.pt", "best.pt"):
-        ckpt = torch.load(os.path.join(out_dir, name), weights_only=False)
+        ckpt = torch.load(os.path.join(out_dir, name), weights_only=True)
         assert ckpt["vocab"] == "".join(sorted(set(open(text_file).read())))
-    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=False)["step"] == 40
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 40
     assert not [f for f in os.listdir(out_dir) if ".tmp" in f]  # atomic writes leave no temp files
 
 
@@ -84,8 +85,8 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(text_file, tmp_path,
 
     assert step_lines(out_b, 11)[0] == step_lines(out_a, 11)[0]  # the next step's loss, to 4 decimals
     assert step_lines(out_b, 11) == step_lines(out_a, 11)
-    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)
-    b = torch.load(os.path.join(broken, "last.pt"), weights_only=False)
+    a = torch.load(os.path.join(straight, "last.pt"), weights_only=True)
+    b = torch.load(os.path.join(broken, "last.pt"), weights_only=True)
     assert a["step"] == b["step"] == 20
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -127,20 +128,65 @@ def test_bad_inputs_give_clear_errors_and_overwrite_nothing(text_file, tmp_path,
     assert open(os.path.join(out_dir, "last.pt"), "rb").read() == before
 
 
-def test_two_process_ddp_run_on_cpu_completes(text_file, tmp_path):
+DDP_PROBE = """
+import json, os, sys
+import torch
+sys.path.insert(0, {here!r})
+import train_shakespeare as ts
+
+# record, in each process, its own training loss and a checksum of its weights after every step
+losses, weights = [], []
+real_loss_fn, real_step = ts.loss_fn, torch.optim.AdamW.step
+
+def loss_fn(model, x, y, autocast):
+    loss = real_loss_fn(model, x, y, autocast)
+    if torch.is_grad_enabled():
+        losses.append(loss.item())
+    return loss
+
+def step(self, *a, **k):
+    out = real_step(self, *a, **k)
+    weights.append(sum(p.detach().double().sum().item() for g in self.param_groups for p in g["params"]))
+    return out
+
+ts.loss_fn, torch.optim.AdamW.step = loss_fn, step
+ts.main(sys.argv[1:])
+with open(os.path.join(os.environ["PROBE_OUT"], f"rank{{ts.RANK}}.json"), "w") as f:
+    json.dump({{"losses": losses, "weights": weights}}, f)
+"""
+
+
+def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file, tmp_path):
     out_dir = str(tmp_path / "ddp")
+    probe = tmp_path / "probe.py"
+    probe.write_text(DDP_PROBE.format(here=HERE))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "train_shakespeare.py"), "--data", text_file, "--out-dir", out_dir,
+           str(probe), "--data", text_file, "--out-dir", out_dir,
            "--device", "cpu", "--max-iters", "8", "--eval-interval", "4"] + TINY
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout
     assert proc.stdout.count("step 8/8") == 1  # only rank 0 logs
-    ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
     assert ckpt["step"] == 8
     assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [4, 8]
     assert evals(out_dir)[-1]["tokens"] == 8 * 2 * 4 * 16  # steps x processes x batch x block
+
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(r0["weights"]) == len(r1["weights"]) == 8
+    assert r0["weights"] == r1["weights"]  # gradients averaged: both processes hold the same model
+    assert all(abs(a - b) > 1e-4 for a, b in zip(r0["losses"], r1["losses"]))  # on different windows
+    logged = [float(l.split("| loss ")[1].split()[0]) for l in proc.stdout.splitlines() if l.startswith("step ")]
+    assert logged == pytest.approx([(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])], abs=6e-5)
+
+    # each process evaluates half of the windows: the logged loss is the mean over all of them
+    x, y, vocab = val_windows(text_file, block=16, n_windows=2 * 4)
+    assert evals(out_dir)[1]["val_loss"] == pytest.approx(checkpoint_loss(os.path.join(out_dir, "last.pt"), x, y, vocab),
+                                                          abs=1e-5)
+    x, y, _ = val_windows(text_file, block=16)
+    assert evals(out_dir)[-1]["full_val_loss"] == pytest.approx(
+        checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab), abs=1e-5)
 
 
 @pytest.mark.compile
@@ -273,3 +319,265 @@ def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monk
     out = run(common + ["--out-dir", broken, "--resume"], capsys)
     assert "at step 4" in out
     assert evals(broken) == evals(straight)  # the fake clock makes even "elapsed" equal
+
+
+# ------------------------------------------------------------------------------------------------
+# Independent oracles: the split and the evaluation windows rebuilt here from the text
+# ------------------------------------------------------------------------------------------------
+
+def val_windows(text_path, block, n_windows=None, seed=1234):
+    """The val split as the trainer defines it (characters sorted into ids, the last 10%), and
+    either its fixed random evaluation windows (the first draw of a generator seeded 1234) or,
+    with n_windows None, all back-to-back windows of the full-val pass."""
+    text = open(text_path, encoding="utf-8").read()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    val = data[int(0.9 * len(data)):]
+    if n_windows is None:
+        starts = torch.arange(0, len(val) - block, block)
+    else:
+        starts = torch.randint(len(val) - block, (n_windows,), generator=torch.Generator().manual_seed(seed))
+    x = torch.stack([val[i:i + block] for i in starts.tolist()])
+    y = torch.stack([val[i + 1:i + 1 + block] for i in starts.tolist()])
+    return x, y, len(chars)
+
+
+def checkpoint_loss(path, x, y, vocab):
+    """Mean next-character cross-entropy of a saved model on windows (x, y), computed here."""
+    ckpt = torch.load(path, weights_only=True)
+    model = MambaLM(MambaConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    with torch.no_grad():
+        logits = model.eval()(x)[..., :vocab]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+
+
+# a run whose val loss, evaluated every step, falls to a best at step 18 and then rises: patience 3
+# stops it at step 21 (checked in the test, so a change of the numbers cannot hide)
+WOBBLY = ["--max-iters", "24", "--eval-interval", "1", "--lr", "0.1", "--min-lr", "0.1", "--patience", "3"]
+
+
+def without_elapsed(rows):
+    """log.jsonl rows minus the wall-clock field: everything else must match between runs."""
+    return [{k: v for k, v in r.items() if k != "elapsed"} for r in rows]
+
+
+def wobbly_run(text_file, out_dir, capsys, extra=()):
+    run(["--data", text_file, "--out-dir", out_dir] + without(TINY, "--lr") + WOBBLY + list(extra), capsys)
+
+
+def test_best_pt_holds_the_best_model_and_full_val_is_its_loss(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    wobbly_run(text_file, out_dir, capsys)
+    rows = evals(out_dir)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) < 24 and val[-1] > min(val)  # the premise: an early stop after the best
+    x, y, vocab = val_windows(text_file, block=16, n_windows=2 * 4)  # eval_iters x batch
+    assert checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab) == pytest.approx(min(val), abs=1e-5)
+    assert checkpoint_loss(os.path.join(out_dir, "last.pt"), x, y, vocab) == pytest.approx(val[-1], abs=1e-5)
+    x, y, _ = val_windows(text_file, block=16)
+    assert rows[-1]["full_val_loss"] == pytest.approx(checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab),
+                                                      abs=1e-5)
+
+
+def killed_at(monkeypatch, at_step):
+    """Make the next run die (KeyboardInterrupt) as it starts the step numbered at_step + 1."""
+    real_get_batch = ts.get_batch
+
+    def get_batch(split, step, *a):
+        if step == at_step:
+            raise KeyboardInterrupt
+        return real_get_batch(split, step, *a)
+
+    monkeypatch.setattr(ts, "get_batch", get_batch)
+
+
+def test_resume_after_a_kill_gives_the_same_log_and_the_same_early_stop(text_file, tmp_path, capsys, monkeypatch):
+    straight = str(tmp_path / "straight")
+    wobbly_run(text_file, straight, capsys)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 20)  # after the eval at step 20: two evals without improvement so far
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, broken, capsys)
+    wobbly_run(text_file, broken, capsys, ["--resume"])
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+    x, y, vocab = val_windows(text_file, block=16, n_windows=8)
+    for name in ("best.pt", "last.pt"):
+        assert checkpoint_loss(os.path.join(broken, name), x, y, vocab) == \
+            checkpoint_loss(os.path.join(straight, name), x, y, vocab), name
+
+
+def test_a_kill_between_log_row_and_checkpoint_repeats_no_row(text_file, tmp_path, capsys, monkeypatch):
+    straight = str(tmp_path / "straight")
+    wobbly_run(text_file, straight, capsys)
+    broken = str(tmp_path / "broken")
+    real_save = ts.atomic_save
+
+    def dies_before_saving_last_at_step_20(obj, path):
+        if obj["step"] == 20 and path.endswith("last.pt"):
+            raise KeyboardInterrupt  # the row of step 20 is in log.jsonl, last.pt is still step 19
+        real_save(obj, path)
+
+    with monkeypatch.context() as m:
+        m.setattr(ts, "atomic_save", dies_before_saving_last_at_step_20)
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, broken, capsys)
+    assert [r["step"] for r in evals(broken)][-2:] == [19, 20]
+    out = run(["--data", text_file, "--out-dir", broken, "--resume"] + without(TINY, "--lr") + WOBBLY, capsys)
+    assert "at step 19" in out
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_no_temporary_file(text_file, tmp_path, capsys,
+                                                                                    monkeypatch):
+    out_dir = str(tmp_path / "run")
+    real_save = torch.save
+
+    def dies_while_writing(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == 20 and "last.pt" in str(f):
+            with open(f, "wb") as half:
+                half.write(b"PK\x03\x04 half a zip")  # the kill lands in the middle of the write
+            raise KeyboardInterrupt
+        real_save(obj, f, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", dies_while_writing)
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, out_dir, capsys)
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 19
+    [tmp] = [f for f in os.listdir(out_dir) if ".tmp" in f]
+    os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, "last.pt.tmp999999"))  # the killed process's
+    out = run(["--data", text_file, "--out-dir", out_dir, "--resume"] + without(TINY, "--lr") + WOBBLY, capsys)
+    assert "at step 19" in out
+    assert not [f for f in os.listdir(out_dir) if ".tmp" in f]
+
+
+def test_a_fresh_run_never_reads_an_earlier_runs_files(text_file, tmp_path, capsys, monkeypatch):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"]
+        + TINY + ["--d-model", "24"], capsys)  # an earlier run with a bigger model
+    stray = os.path.join(out_dir, "last.pt.tmp4242")
+    open(stray, "wb").write(b"left by a killed save")
+    # the new run diverges at once: it must stop with a clear error, and not end on (or report,
+    # or sample from) the earlier run's best.pt
+    with monkeypatch.context() as m:
+        m.setattr(ts, "loss_fn", lambda *a: torch.tensor(float("nan"), requires_grad=True))
+        with pytest.raises(SystemExit, match="training loss is nan at step 1"):
+            run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "4", "--eval-interval", "2"] + TINY, capsys)
+    assert sorted(os.listdir(out_dir)) == []
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    assert [r["step"] for r in evals(out_dir)] == [2, 2]  # one eval row and the final row, nothing older
+    assert torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)["config"]["d_model"] == 16
+
+
+def test_a_nan_val_loss_stops_the_run(text_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ts, "mean_loss", lambda *a: float("nan"))
+    with pytest.raises(SystemExit, match="val loss is nan at step 2"):
+        run(["--data", text_file, "--out-dir", str(tmp_path / "r"), "--max-iters", "4", "--eval-interval", "2"]
+            + TINY, capsys)
+
+
+class RunsCode:
+    """Unpickling this object opens (creates) a file: what a hostile checkpoint could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_checkpoints_are_loaded_without_running_their_pickle(text_file, tmp_path, capsys):
+    proof = tmp_path / "proof"
+    torch.save({"x": RunsCode(str(proof))}, tmp_path / "proof.pt")
+    torch.load(tmp_path / "proof.pt", weights_only=False)
+    assert proof.exists()  # the crafted file does run code when fully unpickled
+    marker = tmp_path / "marker"
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    hostile = {"model": RunsCode(str(marker)), "config": {}, "vocab": "abc", "step": 1}
+    for name in ("best.pt", "last.pt"):
+        torch.save(hostile, out_dir / name)
+    with pytest.raises(SystemExit, match="cannot load checkpoint .*best.pt"):
+        ts.main(["--sample", "--out-dir", str(out_dir)])
+    with pytest.raises(SystemExit, match="cannot load checkpoint .*last.pt"):
+        ts.main(["--data", text_file, "--out-dir", str(out_dir), "--resume"] + TINY)
+    assert not marker.exists()
+
+
+def test_resume_from_a_truncated_checkpoint_is_a_clear_error(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    path = os.path.join(out_dir, "last.pt")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 2])
+    with pytest.raises(SystemExit, match="cannot load checkpoint .*last.pt: it is truncated"):
+        ts.main(["--data", text_file, "--out-dir", out_dir, "--resume", "--max-iters", "4"] + TINY)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--d-state", "0"], "--d-state must be at least 1, got 0"),
+    (["--lr=-1e-3"], "--lr must be a positive finite number"),
+    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--lr", "inf"], "--lr must be a positive finite number"),
+    (["--min-lr=-1"], "--min-lr must be a finite number >= 0"),
+    (["--patience=-1"], "--patience must be 0 or more"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
+])
+def test_bad_numbers_are_refused_at_the_start(text_file, tmp_path, extra, match):
+    with pytest.raises(SystemExit, match=match):
+        ts.main(["--data", text_file, "--out-dir", str(tmp_path / "r")] + TINY + extra)
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_bad_data_files_are_clear_errors(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 10)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Ça va très bien, merci.\n".encode("latin-1") * 100)
+    for path, match in [(binary, "holds NUL bytes: a binary file"), (latin1, "is not UTF-8 text"),
+                        (tmp_path, "is a directory; expected a UTF-8 text file")]:
+        with pytest.raises(SystemExit, match=match):
+            ts.main(["--data", str(path), "--out-dir", str(tmp_path / "r")] + TINY)
+
+
+def test_an_out_dir_that_cannot_be_written_fails_before_training(text_file, tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    with pytest.raises(SystemExit, match="is a file; expected a directory"):
+        ts.main(["--data", text_file, "--out-dir", str(a_file)] + TINY)
+    with pytest.raises(SystemExit, match="cannot write to --out-dir"):
+        ts.main(["--data", text_file, "--out-dir", str(a_file / "sub")] + TINY)
+    assert capsys.readouterr().out == ""  # not one step ran
+    if os.geteuid() != 0:  # root writes into read-only directories
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(SystemExit, match="cannot write to --out-dir"):
+            ts.main(["--data", text_file, "--out-dir", str(ro)] + TINY)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--temperature=-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--num-chars=-5"], "--num-chars must be 0 or more"),
+])
+def test_bad_sampling_arguments_are_refused_before_the_prompt_is_printed(text_file, tmp_path, capsys, extra, match):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    with pytest.raises(SystemExit, match=match):
+        ts.main(["--sample", "--out-dir", out_dir, "--prompt", "First"] + extra)
+    assert capsys.readouterr().out == ""
+
+
+def test_the_batch_windows_depend_on_the_rank(monkeypatch):
+    args = argparse.Namespace(seed=1337, block_size=8, batch_size=6)
+    split = torch.arange(10_000)
+    monkeypatch.setattr(ts, "RANK", 0)
+    x0, _ = ts.get_batch(split, 5, args, "cpu")
+    monkeypatch.setattr(ts, "RANK", 1)
+    x1, _ = ts.get_batch(split, 5, args, "cpu")
+    x1_again, _ = ts.get_batch(split, 5, args, "cpu")
+    assert torch.equal(x1, x1_again)  # a function of (seed, rank, step): resumable
+    assert not torch.equal(x0[:, 0], x1[:, 0])  # each process trains on its own windows

@@ -11,7 +11,10 @@ A run is either iteration-based (--max-iters: bit-reproducible, the learning rat
 or time-based (--max-time: the learning rate, the evaluations and the stop follow the fraction of
 the time budget spent, so the same curve fits a fast and a slow machine).
 Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
-(one line per evaluation, to plot and compare runs).
+(one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
+files there. --resume continues the exact run (the batches, the patience counter, the time
+budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
+Checkpoints are loaded with torch.load(weights_only=True), so a crafted file cannot run code.
 """
 
 import argparse
@@ -142,10 +145,26 @@ def fill_defaults(args, device):
             sys.exit(f"error: --max-time must be a positive number of seconds, got {args.max_time}")
         if not 0 <= args.warmup_frac < 1:
             sys.exit(f"error: --warmup-frac must lie in [0, 1), got {args.warmup_frac}")
-    for key in ("d_model", "n_layer", "block_size", "batch_size", "max_iters", "eval_interval",
+    check_numbers(args)
+
+
+def check_numbers(args):
+    """Refuse at the start what would otherwise fail (or silently mislead) minutes later."""
+    def need(ok, key, what):
+        if not ok:
+            sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
+
+    for key in ("d_model", "n_layer", "d_state", "block_size", "batch_size", "max_iters", "eval_interval",
                 "eval_iters", "log_interval", "num_evals"):
-        if getattr(args, key) is not None and getattr(args, key) < 1:
-            sys.exit(f"error: --{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+        value = getattr(args, key)
+        need(value is None or value >= 1, key, "at least 1")
+    for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
+        value = getattr(args, key)
+        need(value is None or value >= 0, key, "0 or more")
+    need(math.isfinite(args.lr) and args.lr > 0, "lr", "a positive finite number")
+    for key in ("min_lr", "weight_decay", "grad_clip", "temperature"):
+        need(math.isfinite(getattr(args, key)) and getattr(args, key) >= 0, key, "a finite number >= 0")
+    need(args.top_k is None or args.top_k >= 1, "top_k", "at least 1")
 
 
 def clock():
@@ -179,10 +198,68 @@ def log(*a):
 
 
 def atomic_save(obj, path):
-    """Write to a temporary file, then rename: an interrupted save never leaves a broken file."""
+    """Write to a temporary file, then rename: an interrupted save never leaves a broken file
+    (only, at worst, a stray temporary file that the next run removes)."""
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+CHECKPOINT_KEYS = ("model", "config", "vocab")
+
+
+def load_checkpoint(path):
+    """A checkpoint as plain tensors and Python values. weights_only=True: a .pt file is a pickle,
+    and a full unpickle of a file someone handed you would run whatever code it names."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated zip, a foreign pickle, a directory ...
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        sys.exit(f"error: cannot load checkpoint {path}: it is truncated, not a checkpoint, or holds "
+                 f"objects other than tensors and plain values ({type(err).__name__}: {first_line})")
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        sys.exit(f"error: {path} is not a checkpoint of this trainer (it lacks {missing})")
+    return ckpt
+
+
+def truncate_log(log_path, step):
+    """On resume: keep the evaluations up to the checkpoint's step. A run killed after writing a
+    row but before saving last.pt would otherwise repeat that row; a finished run's final row
+    (full_val_loss) belongs to an end that the resumed run will reach again."""
+    rows = []
+    if os.path.exists(log_path):
+        with open(log_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the kill
+                    continue
+                if "val_loss" in row and row["step"] <= step:
+                    rows.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{log_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, log_path)
+
+
+def stray_temporaries(out_dir):
+    return [os.path.join(out_dir, f) for f in os.listdir(out_dir)
+            if f.startswith(("last.pt.tmp", "best.pt.tmp", "log.jsonl.tmp"))]
+
+
+def check_out_dir(out_dir):
+    """Fail now, not at the first evaluation minutes from now, if the checkpoints cannot be written."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        sys.exit(f"error: --out-dir {out_dir} is a file; expected a directory (it is created if missing)")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write-test{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        sys.exit(f"error: cannot write to --out-dir {out_dir} ({err.strerror or err})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,13 +285,21 @@ def read_text(path):
                 os.replace(tmp, path)
             if WORLD > 1:
                 dist.barrier()
+    if os.path.isdir(path):
+        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
     if not os.path.isfile(path):
         sys.exit(f"error: data file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text:
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
         sys.exit(f"error: data file {path} is empty")
-    return text
+    if b"\0" in raw:
+        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
 
 
 def get_batch(split, step, args, device):
@@ -257,6 +342,16 @@ def mean_loss(model, split, starts, args, device, autocast):
     return (total[0] / total[1]).item()
 
 
+def mean_over_processes(loss):
+    """The training loss averaged over all processes (each saw its own batch), as a float."""
+    loss = loss.detach().float()
+    if WORLD > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= WORLD
+    return loss.item()
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling
 # ------------------------------------------------------------------------------------------------
@@ -282,7 +377,7 @@ def load_for_sampling(args, device):
     path = args.checkpoint or os.path.join(args.out_dir, "best.pt")
     if not os.path.exists(path):
         sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_checkpoint(path)
     # a prompt is read once: compiling the scan for it would cost more than it saves
     model = MambaLM(MambaConfig(**{**ckpt["config"], "compile_scan": False}))
     model.load_state_dict(ckpt["model"])
@@ -329,6 +424,9 @@ def main(argv=None):
             dist.destroy_process_group()
         return
 
+    if RANK == 0:
+        check_out_dir(args.out_dir)
+
     # -------------------------------------------------------------------- data
     text = read_text(args.data)
     chars = "".join(sorted(set(text)))
@@ -354,14 +452,16 @@ def main(argv=None):
     model = MambaLM(cfg).to(device)
     optimizer = torch.optim.AdamW(model.optim_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                                   **({"fused": True} if device.type == "cuda" else {}))
-    os.makedirs(args.out_dir, exist_ok=True)
     last_path, best_path = os.path.join(args.out_dir, "last.pt"), os.path.join(args.out_dir, "best.pt")
     log_path = os.path.join(args.out_dir, "log.jsonl")
     step, best_val, elapsed_before, tokens_before, bad_evals, evals_done = 0, float("inf"), 0.0, 0, 0, 0
+    if RANK == 0:
+        for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
+            os.remove(tmp)
     if args.resume:
         if not os.path.exists(last_path):
             sys.exit(f"error: --resume needs {last_path}, which does not exist")
-        ckpt = torch.load(last_path, map_location="cpu", weights_only=False)
+        ckpt = load_checkpoint(last_path)
         if ckpt["vocab"] != chars:
             sys.exit(f"error: {last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
                      f"characters, this text has {len(chars)}); use the same --data or a new --out-dir")
@@ -371,15 +471,19 @@ def main(argv=None):
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"])
-        step, best_val = ckpt["step"], ckpt["best_val"]
+        step, best_val, bad_evals = ckpt["step"], ckpt["best_val"], ckpt["bad_evals"]
         elapsed_before, tokens_before, evals_done = ckpt["elapsed"], ckpt["tokens"], ckpt["evals_done"]
+        if RANK == 0:
+            truncate_log(log_path, step)
         log(f"resumed from {last_path} at step {step} (best val {best_val:.4f})")
     else:
         if os.path.exists(last_path):
             log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
                 f"log (use --resume to continue it, or another --out-dir to keep it)")
-        if RANK == 0 and os.path.exists(log_path):
-            os.remove(log_path)  # a fresh run starts a fresh curve
+        if RANK == 0:  # a fresh run never reads, nor ends on, an earlier run's files
+            for path in (log_path, best_path, last_path):
+                if os.path.exists(path):
+                    os.remove(path)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(train_data):,} train / "
         f"{len(val_data):,} val characters, device {device}, {WORLD} process(es), "
@@ -396,7 +500,7 @@ def main(argv=None):
         atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
                      "config": cfg.__dict__, "vocab": chars, "step": step, "best_val": best_val,
                      "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "tokens": tokens,
-                     "evals_done": evals_done,
+                     "evals_done": evals_done, "bad_evals": bad_evals,
                      "args": vars(args)}, path)
 
     def append_log(**losses):  # one JSON object per line in log.jsonl
@@ -407,6 +511,9 @@ def main(argv=None):
         nonlocal best_val, bad_evals
         train_loss = mean_loss(model, train_data, train_starts, args, device, autocast)
         val_loss = mean_loss(model, val_data, val_starts, args, device, autocast)
+        if not math.isfinite(val_loss):
+            sys.exit(f"error: the val loss is {val_loss} at step {step}: the run diverged; "
+                     f"try a lower --lr (now {args.lr:g})")
         improved = val_loss < best_val
         best_val = min(best_val, val_loss)
         bad_evals = 0 if improved else bad_evals + 1
@@ -444,6 +551,10 @@ def main(argv=None):
         elapsed = elapsed_before + now - t_start
         first_step = step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
         if step % args.log_interval == 0 or first_step:
+            loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
+            if not math.isfinite(loss_value):
+                sys.exit(f"error: the training loss is {loss_value} at step {step}: the run diverged; "
+                         f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
             dt = (now - t_last) / max(1, step - step_at_last)
             t_last, step_at_last = now, step
             if args.max_time is None:
@@ -452,7 +563,7 @@ def main(argv=None):
                 progress, left = f"step {step} ({elapsed / args.max_time:.0%})", args.max_time - elapsed
             speed = (f"first step {dt:.1f}s" if first_step else
                      f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
-            log(f"{progress} | loss {loss.item():.4f} | lr {lr:.2e} | {speed} | elapsed {elapsed:.0f}s")
+            log(f"{progress} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {elapsed:.0f}s")
         if args.max_time is None:
             due = step % args.eval_interval == 0 or step == args.max_iters
         else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
@@ -468,8 +579,7 @@ def main(argv=None):
     # -------------------------------------------------------------------- the end
     if WORLD > 1:
         dist.barrier()  # rank 0 has finished writing best.pt
-    if os.path.exists(best_path):
-        raw_model.load_state_dict(torch.load(best_path, map_location="cpu", weights_only=False)["model"])
+    raw_model.load_state_dict(load_checkpoint(best_path)["model"])  # this run's: see the start
     starts = torch.arange(0, len(val_data) - args.block_size, args.block_size)
     raw_model.cfg.compile_scan = False  # its last, smaller batch would cost a compile of its own
     full_val = mean_loss(model, val_data, starts, args, device, autocast)
