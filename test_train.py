@@ -581,3 +581,114 @@ def test_the_batch_windows_depend_on_the_rank(monkeypatch):
     x1_again, _ = ts.get_batch(split, 5, args, "cpu")
     assert torch.equal(x1, x1_again)  # a function of (seed, rank, step): resumable
     assert not torch.equal(x0[:, 0], x1[:, 0])  # each process trains on its own windows
+
+
+# ------------------------------------------------------------------------------------------------
+# The architectures: Mamba, Mamba-2 and the GPT yardstick on the same data, windows and log
+# ------------------------------------------------------------------------------------------------
+
+def defaults_for(argv):
+    args = ts.parse_args(argv)
+    ts.fill_defaults(args, torch.device("cpu"))
+    return args
+
+
+def test_gpt_defaults_are_nanogpts_readme_cpu_run():
+    args = defaults_for(["--arch", "gpt"])
+    nanogpt = dict(n_layer=4, n_head=4, d_model=128, block_size=64, batch_size=12, lr=1e-3, min_lr=1e-4,
+                   beta2=0.99, weight_decay=0.1, warmup_iters=100, lr_decay_iters=3000, max_iters=3000,
+                   grad_clip=1.0, eval_iters=20)
+    assert {k: getattr(args, k) for k in nanogpt} == nanogpt
+    mamba = defaults_for([])
+    assert (mamba.arch, mamba.d_state, mamba.beta2, mamba.lr) == ("mamba", 16, 0.95, 6e-3)  # unchanged
+    for argv, match in [(["--arch", "gpt", "--d-state", "8"], "--d-state does not apply to --arch gpt"),
+                        (["--headdim", "8"], "--headdim does not apply to --arch mamba"),
+                        (["--arch", "gpt", "--compile"], "--compile does not apply to --arch gpt"),
+                        (["--n-head", "2"], "--n-head does not apply to --arch mamba")]:
+        with pytest.raises(SystemExit, match=match):
+            defaults_for(argv)
+
+
+def test_the_gpt_yardstick_is_causal_and_nanogpt_sized():
+    from bench import GPTConfig, TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=65))
+    assert sum(p.numel() for p in model.parameters()) - model.pos.weight.numel() == 795_904  # nanoGPT's "0.80M"
+    ids = torch.randint(0, 65, (2, 20))
+    changed = ids.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 65
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    assert torch.equal(a[:, :12], b[:, :12])  # no position sees a later token
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+GPT_TINY = ["--arch", "gpt", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--block-size", "16",
+            "--batch-size", "4", "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--log-interval", "1",
+            "--no-sample"]
+
+
+def test_gpt_trains_resumes_and_samples_on_the_same_windows(text_file, tmp_path, capsys, monkeypatch):
+    common = ["--data", text_file, "--max-iters", "20", "--eval-interval", "5"] + GPT_TINY
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    rows = evals(straight)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 4 and val[-1] < val[0] - 0.3
+    ckpt = torch.load(os.path.join(straight, "best.pt"), weights_only=True)
+    assert ckpt["arch"] == "gpt" and ckpt["config"]["n_head"] == 2
+    groups = ckpt["optimizer"]["param_groups"]
+    assert [(tuple(g["betas"]), g["weight_decay"]) for g in groups] == [((0.9, 0.99), 0.1), ((0.9, 0.99), 0.0)]
+    # the log's val loss is the loss of that model on the windows rebuilt here, as for Mamba
+    from bench import GPTConfig, TinyGPT
+    model = TinyGPT(GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    x, y, vocab = val_windows(text_file, block=16, n_windows=8)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model.eval()(x).flatten(0, 1), y.flatten()).item()
+    assert loss == pytest.approx(min(val), abs=1e-5)
+    # resume picks the architecture from the checkpoint
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(common + ["--out-dir", broken], capsys)
+    run(["--data", text_file, "--out-dir", broken, "--resume", "--max-iters", "20", "--eval-interval", "5"]
+        + without(GPT_TINY, "--arch"), capsys)
+    assert without_elapsed(evals(broken)) == without_elapsed(rows)
+    out = run(["--sample", "--out-dir", straight, "--prompt", "First", "--num-chars", "40"], capsys)
+    assert out.startswith("First") and len(out) == len("First") + 40 + 1
+    with pytest.raises(SystemExit, match="holds a gpt model, not mamba"):
+        ts.main(["--data", text_file, "--out-dir", broken, "--resume", "--arch", "mamba"])
+
+
+def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("mamba2_minimal")
+    from mamba2_minimal import Mamba2Config, Mamba2LM
+    tiny = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
+    common = ["--data", text_file, "--max-iters", "20", "--eval-interval", "5"] + tiny
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    rows = evals(straight)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 4 and val[-1] < val[0] - 0.3
+    ckpt = torch.load(os.path.join(straight, "best.pt"), weights_only=True)
+    assert ckpt["arch"] == "mamba2"
+    assert (ckpt["config"]["headdim"], ckpt["config"]["d_state"], ckpt["config"]["d_model"]) == (8, 8, 16)
+    model = Mamba2LM(Mamba2Config(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    x, y, vocab = val_windows(text_file, block=16, n_windows=8)
+    with torch.no_grad():
+        logits = model.eval()(x)[..., :vocab]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert loss == pytest.approx(min(val), abs=1e-5)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(common + ["--out-dir", broken], capsys)
+    run(["--data", text_file, "--out-dir", broken, "--resume", "--max-iters", "20", "--eval-interval", "5"]
+        + without(tiny, "--arch"), capsys)
+    assert without_elapsed(evals(broken)) == without_elapsed(rows)
+    out = run(["--sample", "--out-dir", straight, "--prompt", "First", "--num-chars", "40"], capsys)
+    assert out.startswith("First") and len(out) == len("First") + 40 + 1

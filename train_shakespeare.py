@@ -40,18 +40,33 @@ DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 
 DEFAULTS = {
     # a 0.83M-parameter model sized for a laptop CPU: about 5 minutes to val loss 1.75
-    "cpu": dict(d_model=128, n_layer=7, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
-                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
+    "cpu": dict(d_model=128, n_layer=7, d_state=16, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
+                beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
                 max_time=None, warmup_frac=0.05, num_evals=10),
     # about 11M parameters, in the range of nanoGPT's baby GPT on a GPU
-    "cuda": dict(d_model=384, n_layer=6, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
-                 warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
+    "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
+                 beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
                  max_time=None, warmup_frac=0.04, num_evals=20),
 }
 # max_time: None means an iteration-based default run (max_iters); a number of seconds makes the
 # default run time-based. warmup_frac and num_evals are the time-based run's warmup and evaluations,
 # chosen as the iteration defaults' 50/1000 and 1000/100.
 DEFAULTS["mps"] = DEFAULTS["cpu"]
+
+# What the other architectures change in the defaults above, per device.
+ARCH_DEFAULTS = {
+    "mamba": {},
+    # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls; heads of 32 channels
+    "mamba2": {"cpu": dict(d_state=64, headdim=32), "cuda": dict(d_state=64, headdim=64)},
+    # The yardstick: nanoGPT's README CPU run (config/train_shakespeare_char.py with a 4-layer,
+    # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its dropout)
+    "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
+                        max_iters=3000, lr_decay_iters=3000, d_state=None, scan_backend=None),
+            "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
+                         max_iters=5000, lr_decay_iters=5000, d_state=None, scan_backend=None)},
+}
+ARCH_FLAGS = {"d_state": ("mamba", "mamba2"), "headdim": ("mamba2",), "n_head": ("gpt",),
+              "scan_backend": ("mamba",), "compile": ("mamba",)}  # model flags that only some archs have
 
 
 def parse_args(argv=None):
@@ -60,12 +75,17 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="out", help="where checkpoints and log.jsonl go")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--seed", type=int, default=1337)
-    m = p.add_argument_group("model (defaults depend on the device)")
+    m = p.add_argument_group("model (defaults depend on the device and the architecture)")
+    m.add_argument("--arch", choices=["mamba", "mamba2", "gpt"],
+                   help="mamba (default), mamba2 (SSD, mamba2_minimal.py) or gpt (the yardstick in bench.py); "
+                        "--resume and --sample read it from the checkpoint")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
-    m.add_argument("--d-state", type=int, default=16)
+    m.add_argument("--d-state", type=int, help="mamba, mamba2: the SSM state size N")
+    m.add_argument("--headdim", type=int, help="mamba2: channels per head")
+    m.add_argument("--n-head", type=int, help="gpt: attention heads")
     m.add_argument("--scan-backend", choices=["auto", "sequential", "pscan", "associative", "chunked"])
-    m.add_argument("--compile", action="store_true", help="run the selective scan through the fused, compiled chunked path")
+    m.add_argument("--compile", action="store_true", help="mamba: run the selective scan through the fused, compiled chunked path")
     m.add_argument("--compile-model", action="store_true",
                    help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
     m.add_argument("--no-recompute", dest="recompute", action="store_false",
@@ -81,6 +101,7 @@ def parse_args(argv=None):
     t.add_argument("--warmup-iters", type=int, help="iteration-based runs: steps of linear warmup")
     t.add_argument("--lr-decay-iters", type=int, help="iteration-based runs: length of the cosine decay (default max-iters)")
     t.add_argument("--warmup-frac", type=float, help="time-based runs: fraction of the budget spent warming up")
+    t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--grad-clip", type=float, default=1.0)
     t.add_argument("--eval-interval", type=int, help="iteration-based runs: steps between evaluations")
@@ -123,7 +144,12 @@ def fill_defaults(args, device):
     given = [k for k in ITERATION_FLAGS + TIME_FLAGS if getattr(args, k) is not None]
     if args.max_iters is not None and args.max_time is not None:
         sys.exit("error: give --max-iters (an iteration-based run) or --max-time (a time-based run), not both")
-    defaults = dict(DEFAULTS[device.type])
+    if args.arch is None:
+        args.arch = "mamba"
+    wrong = [k for k, archs in ARCH_FLAGS.items() if getattr(args, k) not in (None, False) and args.arch not in archs]
+    if wrong:
+        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to --arch {args.arch}")
+    defaults = {**DEFAULTS[device.type], **ARCH_DEFAULTS[args.arch].get(device.type, {})}
     if args.max_iters is not None:
         defaults["max_time"] = None  # asking for iterations overrides a time-based default
     for key, value in defaults.items():
@@ -154,7 +180,7 @@ def check_numbers(args):
         if not ok:
             sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
 
-    for key in ("d_model", "n_layer", "d_state", "block_size", "batch_size", "max_iters", "eval_interval",
+    for key in ("d_model", "n_layer", "d_state", "headdim", "n_head", "block_size", "batch_size", "max_iters", "eval_interval",
                 "eval_iters", "log_interval", "num_evals"):
         value = getattr(args, key)
         need(value is None or value >= 1, key, "at least 1")
@@ -165,6 +191,7 @@ def check_numbers(args):
     for key in ("min_lr", "weight_decay", "grad_clip", "temperature"):
         need(math.isfinite(getattr(args, key)) and getattr(args, key) >= 0, key, "a finite number >= 0")
     need(args.top_k is None or args.top_k >= 1, "top_k", "at least 1")
+    need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
 
 
 def clock():
@@ -317,6 +344,57 @@ def windows(split, starts, block_size, device):
 
 
 # ------------------------------------------------------------------------------------------------
+# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), the GPT yardstick (bench.py)
+# ------------------------------------------------------------------------------------------------
+
+def arch_classes(arch):
+    """(config class, model class). Mamba-2 and the GPT are imported only when asked for."""
+    if arch == "mamba":
+        return MambaConfig, MambaLM
+    try:
+        if arch == "mamba2":
+            from mamba2_minimal import Mamba2Config, Mamba2LM
+            return Mamba2Config, Mamba2LM
+        from bench import GPTConfig, TinyGPT
+        return GPTConfig, TinyGPT
+    except ImportError as err:
+        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
+
+
+def model_kwargs(args, vocab_size):
+    kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
+    if args.arch == "mamba":
+        kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
+                  recompute=args.recompute)
+    elif args.arch == "mamba2":
+        # a training block is then one chunk or a few: the official chunk of 256 would pad a
+        # 64-character block four times over
+        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size))
+    else:
+        kw.update(n_head=args.n_head, block_size=args.block_size)
+    return kw
+
+
+def build_model(arch, config):
+    """config: a dict of the architecture's config fields, from the flags or a checkpoint."""
+    config_class, model_class = arch_classes(arch)
+    try:
+        return model_class(config_class(**config))
+    except (TypeError, ValueError) as err:
+        sys.exit(f"error: cannot build the {arch} model: {err}")
+
+
+def config_dict(model):
+    return dict(vars(model.cfg))
+
+
+def set_compile_scan(model, value):
+    """Turn the compiled scan of a Mamba model on or off (a no-op for the other models)."""
+    if hasattr(model.cfg, "compile_scan"):
+        model.cfg.compile_scan = value
+
+
+# ------------------------------------------------------------------------------------------------
 # Evaluation
 # ------------------------------------------------------------------------------------------------
 
@@ -378,8 +456,8 @@ def load_for_sampling(args, device):
     if not os.path.exists(path):
         sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
     ckpt = load_checkpoint(path)
-    # a prompt is read once: compiling the scan for it would cost more than it saves
-    model = MambaLM(MambaConfig(**{**ckpt["config"], "compile_scan": False}))
+    model = build_model(ckpt.get("arch", "mamba"), ckpt["config"])
+    set_compile_scan(model, False)  # a prompt is read once: compiling for it costs more than it saves
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt
 
@@ -410,6 +488,17 @@ def main(argv=None):
         dist.init_process_group("nccl" if use_cuda else "gloo")
     else:
         device = pick_device(args.device)
+    last_path, best_path = os.path.join(args.out_dir, "last.pt"), os.path.join(args.out_dir, "best.pt")
+    log_path = os.path.join(args.out_dir, "log.jsonl")
+    ckpt = None
+    if args.resume and not args.sample:
+        if not os.path.exists(last_path):
+            sys.exit(f"error: --resume needs {last_path}, which does not exist")
+        ckpt = load_checkpoint(last_path)
+        arch = ckpt.get("arch", "mamba")
+        if args.arch not in (None, arch):
+            sys.exit(f"error: {last_path} holds a {arch} model, not {args.arch}; drop --arch to resume it")
+        args.arch = arch
     fill_defaults(args, device)
     torch.manual_seed(args.seed)
 
@@ -446,26 +535,18 @@ def main(argv=None):
     train_starts = torch.randint(len(train_data) - args.block_size, (n_eval,), generator=g)
 
     # -------------------------------------------------------------------- model
-    cfg = MambaConfig(d_model=args.d_model, n_layer=args.n_layer, vocab_size=VOCAB_SIZE,
-                      d_state=args.d_state, scan_backend=args.scan_backend,
-                      compile_scan=args.compile, recompute=args.recompute)
-    model = MambaLM(cfg).to(device)
-    optimizer = torch.optim.AdamW(model.optim_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+    model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
+    optimizer = torch.optim.AdamW(model.optim_groups(args.weight_decay), lr=args.lr, betas=(0.9, args.beta2),
                                   **({"fused": True} if device.type == "cuda" else {}))
-    last_path, best_path = os.path.join(args.out_dir, "last.pt"), os.path.join(args.out_dir, "best.pt")
-    log_path = os.path.join(args.out_dir, "log.jsonl")
     step, best_val, elapsed_before, tokens_before, bad_evals, evals_done = 0, float("inf"), 0.0, 0, 0, 0
     if RANK == 0:
         for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
             os.remove(tmp)
     if args.resume:
-        if not os.path.exists(last_path):
-            sys.exit(f"error: --resume needs {last_path}, which does not exist")
-        ckpt = load_checkpoint(last_path)
         if ckpt["vocab"] != chars:
             sys.exit(f"error: {last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
                      f"characters, this text has {len(chars)}); use the same --data or a new --out-dir")
-        if model_identity(ckpt["config"]) != model_identity(cfg.__dict__):
+        if model_identity(ckpt["config"]) != model_identity(config_dict(model)):
             sys.exit(f"error: {last_path} holds another model config {ckpt['config']}; "
                      f"resume with the same model flags or use a new --out-dir")
         model.load_state_dict(ckpt["model"])
@@ -498,7 +579,7 @@ def main(argv=None):
 
     def save(path):
         atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "config": cfg.__dict__, "vocab": chars, "step": step, "best_val": best_val,
+                     "arch": args.arch, "config": config_dict(raw_model), "vocab": chars, "step": step, "best_val": best_val,
                      "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "tokens": tokens,
                      "evals_done": evals_done, "bad_evals": bad_evals,
                      "args": vars(args)}, path)
@@ -581,7 +662,7 @@ def main(argv=None):
         dist.barrier()  # rank 0 has finished writing best.pt
     raw_model.load_state_dict(load_checkpoint(best_path)["model"])  # this run's: see the start
     starts = torch.arange(0, len(val_data) - args.block_size, args.block_size)
-    raw_model.cfg.compile_scan = False  # its last, smaller batch would cost a compile of its own
+    set_compile_scan(raw_model, False)  # its last, smaller batch would cost a compile of its own
     full_val = mean_loss(model, val_data, starts, args, device, autocast)
     log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
         f"loss {full_val:.4f} (best checkpoint)")
