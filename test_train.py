@@ -692,3 +692,45 @@ def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypa
     assert without_elapsed(evals(broken)) == without_elapsed(rows)
     out = run(["--sample", "--out-dir", straight, "--prompt", "First", "--num-chars", "40"], capsys)
     assert out.startswith("First") and len(out) == len("First") + 40 + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# --compile where no compiler works
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--compile", "--compile-model"])
+def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path, capsys, monkeypatch, flag):
+    import mamba_minimal as mm
+
+    def broken_compile(fn, *a, **k):  # what a machine without a C++ compiler does at the first call
+        def fails(*args, **kwargs):
+            raise RuntimeError("InductorError: CppCompileError: no working C++ compiler found\nmore")
+        if isinstance(fn, torch.nn.Module):
+            return type("Broken", (torch.nn.Module,), {"forward": lambda self, *a, **k: fails()})()
+        return fails
+
+    common = ["--data", text_file, "--max-iters", "4", "--eval-interval", "2"] + TINY
+    run(common + ["--out-dir", str(tmp_path / "eager")], capsys)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(mm, "_compiled", {}, raising=False)  # no compiled function from an earlier test
+    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag], capsys)
+    notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
+    assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
+    assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))
+
+
+def test_an_error_after_the_first_step_is_not_swallowed(text_file, tmp_path, capsys, monkeypatch):
+    import mamba_minimal as mm
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: fn)  # a "compiler" that works, instantly
+    monkeypatch.setattr(mm, "_compiled", {}, raising=False)
+    real_step, calls = ts.train_step, []
+
+    def fails_once_at_step_3(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a real bug")  # a retry would succeed: it must not be tried
+        return real_step(*args)
+
+    monkeypatch.setattr(ts, "train_step", fails_once_at_step_3)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        run(["--data", text_file, "--out-dir", str(tmp_path / "r"), "--max-iters", "4", "--compile"] + TINY, capsys)

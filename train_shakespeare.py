@@ -224,6 +224,11 @@ def log(*a):
         print(*a, flush=True)
 
 
+def first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def atomic_save(obj, path):
     """Write to a temporary file, then rename: an interrupted save never leaves a broken file
     (only, at worst, a stray temporary file that the next run removes)."""
@@ -241,9 +246,8 @@ def load_checkpoint(path):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated zip, a foreign pickle, a directory ...
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
         sys.exit(f"error: cannot load checkpoint {path}: it is truncated, not a checkpoint, or holds "
-                 f"objects other than tensors and plain values ({type(err).__name__}: {first_line})")
+                 f"objects other than tensors and plain values ({type(err).__name__}: {first_line(err)})")
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         sys.exit(f"error: {path} is not a checkpoint of this trainer (it lacks {missing})")
@@ -430,6 +434,26 @@ def mean_over_processes(loss):
     return loss.item()
 
 
+def train_step(model, optimizer, x, y, args, autocast):
+    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits)."""
+    loss = loss_fn(model, x, y, autocast)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    return loss
+
+
+def wrap(raw_model, compile_model, ddp, device):
+    """The model the loop calls: maybe compiled whole, maybe wrapped for data parallelism (DDP
+    averages the gradients of all processes during backward)."""
+    model = torch.compile(raw_model) if compile_model else raw_model
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling
 # ------------------------------------------------------------------------------------------------
@@ -571,10 +595,7 @@ def main(argv=None):
         f"{torch.get_num_threads()} thread(s)")
 
     raw_model = model
-    if args.compile_model:
-        model = torch.compile(model)
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = wrap(raw_model, args.compile_model, ddp, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def save(path):
@@ -620,12 +641,16 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch(train_data, step, args, device)
-        loss = loss_fn(model, x, y, autocast)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
+        try:
+            loss = train_step(model, optimizer, x, y, args, autocast)
+        except Exception as err:  # the compiler runs at the first step: is there a working one?
+            if step > step_at_start or not (args.compile or args.compile_model):
+                raise
+            log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
+            args.compile = args.compile_model = False
+            set_compile_scan(raw_model, False)
+            model = wrap(raw_model, False, ddp, device)
+            loss = train_step(model, optimizer, x, y, args, autocast)
         step += 1
         tokens += tokens_per_step
         now = clock()  # the only clock reading of the step
