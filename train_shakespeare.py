@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import urllib.request
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -498,204 +499,238 @@ def model_identity(config_dict):
     return {k: v for k, v in config_dict.items() if k not in RUNTIME_FIELDS}
 
 
-def main(argv=None):
-    global RANK, WORLD, VOCAB_SIZE
-    args = parse_args(argv)
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if ddp:
-        RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        use_cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
-        device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
-        if use_cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    else:
-        device = pick_device(args.device)
-    last_path, best_path = os.path.join(args.out_dir, "last.pt"), os.path.join(args.out_dir, "best.pt")
-    log_path = os.path.join(args.out_dir, "log.jsonl")
-    ckpt = None
-    if args.resume and not args.sample:
-        if not os.path.exists(last_path):
-            sys.exit(f"error: --resume needs {last_path}, which does not exist")
-        ckpt = load_checkpoint(last_path)
-        arch = ckpt.get("arch", "mamba")
-        if args.arch not in (None, arch):
-            sys.exit(f"error: {last_path} holds a {arch} model, not {args.arch}; drop --arch to resume it")
-        args.arch = arch
-    fill_defaults(args, device)
-    torch.manual_seed(args.seed)
+@dataclass
+class Progress:
+    """Where a run stands. Every checkpoint holds it, so --resume continues exactly from here."""
+    step: int = 0
+    best_val: float = math.inf
+    bad_evals: int = 0  # evaluations since the best one (for --patience)
+    elapsed: float = 0.0  # seconds of training, compiling and evaluating: what --max-time counts
+    tokens: int = 0
+    evals_done: int = 0  # time-based runs: how many of the budget's evaluation points have passed
 
-    if args.sample:
-        model, ckpt = load_for_sampling(args, device)
-        try:
-            if RANK == 0:
-                sample(model, ckpt["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
-        except ValueError as err:
-            sys.exit(f"error: {err}")
-        if ddp:
-            dist.destroy_process_group()
-        return
 
-    if RANK == 0:
-        check_out_dir(args.out_dir)
+def start_processes(args):
+    """(ddp, device). Under torchrun: one process per GPU, or gloo processes on a CPU."""
+    global RANK, WORLD
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False, pick_device(args.device)
+    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return True, device
 
-    # -------------------------------------------------------------------- data
-    text = read_text(args.data)
-    chars = "".join(sorted(set(text)))
-    VOCAB_SIZE = len(chars)
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    n_train = int(0.9 * len(data))
-    train_data, val_data = data[:n_train], data[n_train:]
-    if len(val_data) <= args.block_size:
-        sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
-                 f"({len(val_data)}) must be longer than one block ({args.block_size}). "
-                 f"Use a longer text or a smaller --block-size.")
-    # the same windows at every evaluation, so the curve measures the model, not the sample
-    g = torch.Generator().manual_seed(1234)
-    n_eval = args.eval_iters * args.batch_size
-    val_starts = torch.randint(len(val_data) - args.block_size, (n_eval,), generator=g)
-    train_starts = torch.randint(len(train_data) - args.block_size, (n_eval,), generator=g)
 
-    # -------------------------------------------------------------------- model
-    model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
-    optimizer = torch.optim.AdamW(model.optim_groups(args.weight_decay), lr=args.lr, betas=(0.9, args.beta2),
-                                  **({"fused": True} if device.type == "cuda" else {}))
-    step, best_val, elapsed_before, tokens_before, bad_evals, evals_done = 0, float("inf"), 0.0, 0, 0, 0
-    if RANK == 0:
-        for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
-            os.remove(tmp)
-    if args.resume:
-        if ckpt["vocab"] != chars:
-            sys.exit(f"error: {last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
-                     f"characters, this text has {len(chars)}); use the same --data or a new --out-dir")
-        if model_identity(ckpt["config"]) != model_identity(config_dict(model)):
-            sys.exit(f"error: {last_path} holds another model config {ckpt['config']}; "
+def read_last_checkpoint(args):
+    """--resume: last.pt, read before the defaults are filled in, since its architecture decides them."""
+    path = os.path.join(args.out_dir, "last.pt")
+    if not os.path.exists(path):
+        sys.exit(f"error: --resume needs {path}, which does not exist")
+    ckpt = load_checkpoint(path)
+    arch = ckpt.get("arch", "mamba")
+    if args.arch not in (None, arch):
+        sys.exit(f"error: {path} holds a {arch} model, not {args.arch}; drop --arch to resume it")
+    args.arch = arch
+    return ckpt
+
+
+class Run:
+    """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
+
+    def __init__(self, args, device, ddp, ckpt=None):
+        global VOCAB_SIZE
+        self.args, self.device, self.ddp = args, device, ddp
+        self.last_path = os.path.join(args.out_dir, "last.pt")
+        self.best_path = os.path.join(args.out_dir, "best.pt")
+        self.log_path = os.path.join(args.out_dir, "log.jsonl")
+
+        # ---------------------------------------------------------------- data
+        text = read_text(args.data)
+        self.chars = "".join(sorted(set(text)))
+        VOCAB_SIZE = len(self.chars)
+        stoi = {c: i for i, c in enumerate(self.chars)}
+        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+        n_train = int(0.9 * len(data))
+        self.train_data, self.val_data = data[:n_train], data[n_train:]
+        if len(self.val_data) <= args.block_size:
+            sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
+                     f"({len(self.val_data)}) must be longer than one block ({args.block_size}). "
+                     f"Use a longer text or a smaller --block-size.")
+        # the same windows at every evaluation, so the curve measures the model, not the sample
+        g = torch.Generator().manual_seed(1234)
+        n_eval = args.eval_iters * args.batch_size
+        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
+        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
+
+        # ---------------------------------------------------------------- model and optimizer
+        self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
+        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
+                                           betas=(0.9, args.beta2),
+                                           **({"fused": True} if device.type == "cuda" else {}))
+
+        # ---------------------------------------------------------------- fresh start or resume
+        if RANK == 0:
+            for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
+                os.remove(tmp)
+        self.p = Progress()
+        if ckpt is not None:
+            self.resume(ckpt)
+        else:
+            if os.path.exists(self.last_path):
+                log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
+                    f"log (use --resume to continue it, or another --out-dir to keep it)")
+            if RANK == 0:  # a fresh run never reads, nor ends on, an earlier run's files
+                for path in (self.log_path, self.best_path, self.last_path):
+                    if os.path.exists(path):
+                        os.remove(path)
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
+            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
+            f"{torch.get_num_threads()} thread(s)")
+        self.model = wrap(self.raw_model, args.compile_model, ddp, device)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def resume(self, ckpt):
+        if ckpt["vocab"] != self.chars:
+            sys.exit(f"error: {self.last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
+                     f"characters, this text has {len(self.chars)}); use the same --data or a new --out-dir")
+        if model_identity(ckpt["config"]) != model_identity(config_dict(self.raw_model)):
+            sys.exit(f"error: {self.last_path} holds another model config {ckpt['config']}; "
                      f"resume with the same model flags or use a new --out-dir")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        self.raw_model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"])
-        step, best_val, bad_evals = ckpt["step"], ckpt["best_val"], ckpt["bad_evals"]
-        elapsed_before, tokens_before, evals_done = ckpt["elapsed"], ckpt["tokens"], ckpt["evals_done"]
+        self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress)})
         if RANK == 0:
-            truncate_log(log_path, step)
-        log(f"resumed from {last_path} at step {step} (best val {best_val:.4f})")
-    else:
-        if os.path.exists(last_path):
-            log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
-                f"log (use --resume to continue it, or another --out-dir to keep it)")
-        if RANK == 0:  # a fresh run never reads, nor ends on, an earlier run's files
-            for path in (log_path, best_path, last_path):
-                if os.path.exists(path):
-                    os.remove(path)
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(train_data):,} train / "
-        f"{len(val_data):,} val characters, device {device}, {WORLD} process(es), "
-        f"{torch.get_num_threads()} thread(s)")
+            truncate_log(self.log_path, self.p.step)
+        log(f"resumed from {self.last_path} at step {self.p.step} (best val {self.p.best_val:.4f})")
 
-    raw_model = model
-    model = wrap(raw_model, args.compile_model, ddp, device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    def save(self, path):
+        atomic_save({"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "arch": self.args.arch, "config": config_dict(self.raw_model), "vocab": self.chars,
+                     "torch_rng": torch.get_rng_state(), "args": vars(self.args), **asdict(self.p)}, path)
 
-    def save(path):
-        atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "arch": args.arch, "config": config_dict(raw_model), "vocab": chars, "step": step, "best_val": best_val,
-                     "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "tokens": tokens,
-                     "evals_done": evals_done, "bad_evals": bad_evals,
-                     "args": vars(args)}, path)
+    def append_log(self, **losses):  # one JSON object per line in log.jsonl
+        row = {"step": self.p.step, "elapsed": round(self.p.elapsed, 2), "tokens": self.p.tokens, **losses}
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
-    def append_log(**losses):  # one JSON object per line in log.jsonl
-        with open(log_path, "a") as f:
-            f.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens, **losses}) + "\n")
-
-    def evaluate():
-        nonlocal best_val, bad_evals
-        train_loss = mean_loss(model, train_data, train_starts, args, device, autocast)
-        val_loss = mean_loss(model, val_data, val_starts, args, device, autocast)
+    def evaluate(self):
+        args, p = self.args, self.p
+        train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
+        val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
         if not math.isfinite(val_loss):
-            sys.exit(f"error: the val loss is {val_loss} at step {step}: the run diverged; "
+            sys.exit(f"error: the val loss is {val_loss} at step {p.step}: the run diverged; "
                      f"try a lower --lr (now {args.lr:g})")
-        improved = val_loss < best_val
-        best_val = min(best_val, val_loss)
-        bad_evals = 0 if improved else bad_evals + 1
-        log(f"eval step {step}: train {train_loss:.4f}, val {val_loss:.4f}"
-            f"{' (best)' if improved else ''}, {elapsed:.0f}s")
+        improved = val_loss < p.best_val
+        p.best_val = min(p.best_val, val_loss)
+        p.bad_evals = 0 if improved else p.bad_evals + 1
+        log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
+            f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
         if RANK == 0:
-            append_log(train_loss=train_loss, val_loss=val_loss)
+            self.append_log(train_loss=train_loss, val_loss=val_loss)
             if improved:
-                save(best_path)
-            save(last_path)
+                self.save(self.best_path)
+            self.save(self.last_path)
 
     # -------------------------------------------------------------------- the loop
-    tokens_per_step = args.batch_size * args.block_size * WORLD
-    tokens = tokens_before
-    if args.compile or args.compile_model:
-        log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
-    model.train()
-    t_start = t_last = clock()
-    step_at_last = step_at_start = step
-    elapsed = elapsed_before
-    while step < args.max_iters if args.max_time is None else elapsed < args.max_time:
-        lr = lr_at(args, step, elapsed)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = get_batch(train_data, step, args, device)
-        try:
-            loss = train_step(model, optimizer, x, y, args, autocast)
-        except Exception as err:  # the compiler runs at the first step: is there a working one?
-            if step > step_at_start or not (args.compile or args.compile_model):
-                raise
-            log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
-            args.compile = args.compile_model = False
-            set_compile_scan(raw_model, False)
-            model = wrap(raw_model, False, ddp, device)
-            loss = train_step(model, optimizer, x, y, args, autocast)
-        step += 1
-        tokens += tokens_per_step
-        now = clock()  # the only clock reading of the step
-        elapsed = elapsed_before + now - t_start
-        first_step = step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
-        if step % args.log_interval == 0 or first_step:
-            loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
-            if not math.isfinite(loss_value):
-                sys.exit(f"error: the training loss is {loss_value} at step {step}: the run diverged; "
-                         f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
-            dt = (now - t_last) / max(1, step - step_at_last)
-            t_last, step_at_last = now, step
+    def train(self):
+        args, p = self.args, self.p
+        tokens_per_step = args.batch_size * args.block_size * WORLD
+        if args.compile or args.compile_model:
+            log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
+        self.model.train()
+        t_start = t_last = clock()
+        step_at_last = step_at_start = p.step
+        elapsed_before = p.elapsed
+        while p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time:
+            lr = lr_at(args, p.step, p.elapsed)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            x, y = get_batch(self.train_data, p.step, args, self.device)
+            try:
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast)
+            except Exception as err:  # the compiler runs at the first step: is there a working one?
+                if p.step > step_at_start or not (args.compile or args.compile_model):
+                    raise
+                log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
+                args.compile = args.compile_model = False
+                set_compile_scan(self.raw_model, False)
+                self.model = wrap(self.raw_model, False, self.ddp, self.device)
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast)
+            p.step += 1
+            p.tokens += tokens_per_step
+            now = clock()  # the only clock reading of the step
+            p.elapsed = elapsed_before + now - t_start
+            first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
+            if p.step % args.log_interval == 0 or first_step:
+                loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
+                if not math.isfinite(loss_value):
+                    sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
+                             f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
+                dt = (now - t_last) / max(1, p.step - step_at_last)
+                t_last, step_at_last = now, p.step
+                if args.max_time is None:
+                    where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
+                else:
+                    where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
+                speed = (f"first step {dt:.1f}s" if first_step else
+                         f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
+                log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
             if args.max_time is None:
-                progress, left = f"step {step}/{args.max_iters}", dt * (args.max_iters - step)
-            else:
-                progress, left = f"step {step} ({elapsed / args.max_time:.0%})", args.max_time - elapsed
-            speed = (f"first step {dt:.1f}s" if first_step else
-                     f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
-            log(f"{progress} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {elapsed:.0f}s")
-        if args.max_time is None:
-            due = step % args.eval_interval == 0 or step == args.max_iters
-        else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
-            points = min(args.num_evals, int(elapsed * args.num_evals / args.max_time))
-            due = points > evals_done or elapsed >= args.max_time
-            evals_done = points
-        if due:
-            evaluate()
-            if args.patience and bad_evals >= args.patience:
-                log(f"early stop: val loss has not improved for {bad_evals} evaluations")
-                break
+                due = p.step % args.eval_interval == 0 or p.step == args.max_iters
+            else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
+                points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
+                due = points > p.evals_done or p.elapsed >= args.max_time
+                p.evals_done = points
+            if due:
+                self.evaluate()
+                if args.patience and p.bad_evals >= args.patience:
+                    log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
+                    break
 
     # -------------------------------------------------------------------- the end
-    if WORLD > 1:
-        dist.barrier()  # rank 0 has finished writing best.pt
-    raw_model.load_state_dict(load_checkpoint(best_path)["model"])  # this run's: see the start
-    starts = torch.arange(0, len(val_data) - args.block_size, args.block_size)
-    set_compile_scan(raw_model, False)  # its last, smaller batch would cost a compile of its own
-    full_val = mean_loss(model, val_data, starts, args, device, autocast)
-    log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
-        f"loss {full_val:.4f} (best checkpoint)")
-    if RANK == 0:
-        append_log(full_val_loss=full_val)
-        if not args.no_sample:
-            print("-" * 80)
-            sample(raw_model.eval(), chars, "\n", 300, args.temperature, args.top_k, device)
+    def finish(self):
+        """The best checkpoint's loss on the whole val split, and a sample from it."""
+        args = self.args
+        if WORLD > 1:
+            dist.barrier()  # rank 0 has finished writing best.pt
+        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
+        starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
+        set_compile_scan(self.raw_model, False)  # its last, smaller batch would cost a compile of its own
+        full_val = mean_loss(self.model, self.val_data, starts, args, self.device, self.autocast)
+        log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
+            f"loss {full_val:.4f} (best checkpoint)")
+        if RANK == 0:
+            self.append_log(full_val_loss=full_val)
+            if not args.no_sample:
+                print("-" * 80)
+                sample(self.raw_model.eval(), self.chars, "\n", 300, args.temperature, args.top_k, self.device)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ddp, device = start_processes(args)
+    ckpt = read_last_checkpoint(args) if args.resume and not args.sample else None
+    fill_defaults(args, device)
+    torch.manual_seed(args.seed)
+    if args.sample:
+        model, sampled = load_for_sampling(args, device)
+        try:
+            if RANK == 0:
+                sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
+        except ValueError as err:
+            sys.exit(f"error: {err}")
+    else:
+        if RANK == 0:
+            check_out_dir(args.out_dir)
+        run = Run(args, device, ddp, ckpt)
+        run.train()
+        run.finish()
     if ddp:
         dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
         dist.destroy_process_group()
