@@ -3,10 +3,12 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
 
     python train_shakespeare.py                              # train with defaults for this device
     python train_shakespeare.py --max-time 300               # train for 5 minutes, whatever the machine
+    python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
-The script reads top to bottom: settings, data, model, optimizer, evaluation, the loop, sampling.
+The script reads top to bottom: settings, data, the models (--arch mamba, mamba2 or gpt), evaluation,
+sampling, then the whole run: set up or resume, the loop, the end.
 A run is either iteration-based (--max-iters: bit-reproducible, the learning rate follows the step)
 or time-based (--max-time: the learning rate, the evaluations and the stop follow the fraction of
 the time budget spent, so the same curve fits a fast and a slow machine).
@@ -60,11 +62,12 @@ ARCH_DEFAULTS = {
     # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls; heads of 32 channels
     "mamba2": {"cpu": dict(d_state=64, headdim=32), "cuda": dict(d_state=64, headdim=64)},
     # The yardstick: nanoGPT's README CPU run (config/train_shakespeare_char.py with a 4-layer,
-    # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its dropout)
+    # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its
+    # dropout); iteration-based, as nanoGPT's schedule is. It has no SSM state and no scan.
     "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
-                        max_iters=3000, lr_decay_iters=3000, d_state=None, scan_backend=None),
+                        max_iters=3000, lr_decay_iters=3000, max_time=None, d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
-                         max_iters=5000, lr_decay_iters=5000, d_state=None, scan_backend=None)},
+                         max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
 ARCH_FLAGS = {"d_state": ("mamba", "mamba2"), "headdim": ("mamba2",), "n_head": ("gpt",),
               "scan_backend": ("mamba",), "compile": ("mamba",)}  # model flags that only some archs have
@@ -181,8 +184,8 @@ def check_numbers(args):
         if not ok:
             sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
 
-    for key in ("d_model", "n_layer", "d_state", "headdim", "n_head", "block_size", "batch_size", "max_iters", "eval_interval",
-                "eval_iters", "log_interval", "num_evals"):
+    for key in ("d_model", "n_layer", "d_state", "headdim", "n_head", "block_size", "batch_size", "max_iters",
+                "eval_interval", "eval_iters", "log_interval", "num_evals"):
         value = getattr(args, key)
         need(value is None or value >= 1, key, "at least 1")
     for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
@@ -435,6 +438,10 @@ def mean_over_processes(loss):
     return loss.item()
 
 
+# ------------------------------------------------------------------------------------------------
+# One training step
+# ------------------------------------------------------------------------------------------------
+
 def train_step(model, optimizer, x, y, args, autocast):
     """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits)."""
     loss = loss_fn(model, x, y, autocast)
@@ -495,8 +502,8 @@ RANK, WORLD, VOCAB_SIZE = 0, 1, None
 RUNTIME_FIELDS = ("scan_backend", "compile_scan", "chunk_size", "recompute")  # free to change on resume
 
 
-def model_identity(config_dict):
-    return {k: v for k, v in config_dict.items() if k not in RUNTIME_FIELDS}
+def model_identity(config):
+    return {k: v for k, v in config.items() if k not in RUNTIME_FIELDS}
 
 
 @dataclass
