@@ -1,6 +1,8 @@
 """Specification of train_shakespeare.py, on a small text each test writes for itself."""
 
+import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,10 +11,27 @@ import pytest
 import torch
 
 import train_shakespeare as ts
+from mamba_minimal import MambaConfig, MambaLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--block-size", "16", "--batch-size", "4",
         "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--log-interval", "1", "--no-sample"]
+
+
+def without(argv, *flags):
+    """argv with each of these flags and its value left out."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+TIMED = without(TINY, "--warmup-iters")  # for time-based runs, which warm up by --warmup-frac
 
 
 @pytest.fixture
@@ -46,9 +65,9 @@ def test_a_short_run_lowers_the_loss_and_writes_checkpoints(text_file, tmp_path,
     assert {"step", "elapsed", "tokens", "train_loss", "val_loss"} <= set(records[0])
     assert records[-1]["full_val_loss"] > 0
     for name in ("last.pt", "best.pt"):
-        ckpt = torch.load(os.path.join(out_dir, name), weights_only=False)
+        ckpt = torch.load(os.path.join(out_dir, name), weights_only=True)
         assert ckpt["vocab"] == "".join(sorted(set(open(text_file).read())))
-    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=False)["step"] == 40
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 40
     assert not [f for f in os.listdir(out_dir) if ".tmp" in f]  # atomic writes leave no temp files
 
 
@@ -66,8 +85,8 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(text_file, tmp_path,
 
     assert step_lines(out_b, 11)[0] == step_lines(out_a, 11)[0]  # the next step's loss, to 4 decimals
     assert step_lines(out_b, 11) == step_lines(out_a, 11)
-    a = torch.load(os.path.join(straight, "last.pt"), weights_only=False)
-    b = torch.load(os.path.join(broken, "last.pt"), weights_only=False)
+    a = torch.load(os.path.join(straight, "last.pt"), weights_only=True)
+    b = torch.load(os.path.join(broken, "last.pt"), weights_only=True)
     assert a["step"] == b["step"] == 20
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -109,20 +128,65 @@ def test_bad_inputs_give_clear_errors_and_overwrite_nothing(text_file, tmp_path,
     assert open(os.path.join(out_dir, "last.pt"), "rb").read() == before
 
 
-def test_two_process_ddp_run_on_cpu_completes(text_file, tmp_path):
+DDP_PROBE = """
+import json, os, sys
+import torch
+sys.path.insert(0, {here!r})
+import train_shakespeare as ts
+
+# record, in each process, its own training loss and a checksum of its weights after every step
+losses, weights = [], []
+real_loss_fn, real_step = ts.loss_fn, torch.optim.AdamW.step
+
+def loss_fn(model, x, y, autocast):
+    loss = real_loss_fn(model, x, y, autocast)
+    if torch.is_grad_enabled():
+        losses.append(loss.item())
+    return loss
+
+def step(self, *a, **k):
+    out = real_step(self, *a, **k)
+    weights.append(sum(p.detach().double().sum().item() for g in self.param_groups for p in g["params"]))
+    return out
+
+ts.loss_fn, torch.optim.AdamW.step = loss_fn, step
+ts.main(sys.argv[1:])
+with open(os.path.join(os.environ["PROBE_OUT"], f"rank{{ts.RANK}}.json"), "w") as f:
+    json.dump({{"losses": losses, "weights": weights}}, f)
+"""
+
+
+def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file, tmp_path):
     out_dir = str(tmp_path / "ddp")
+    probe = tmp_path / "probe.py"
+    probe.write_text(DDP_PROBE.format(here=HERE))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "train_shakespeare.py"), "--data", text_file, "--out-dir", out_dir,
+           str(probe), "--data", text_file, "--out-dir", out_dir,
            "--device", "cpu", "--max-iters", "8", "--eval-interval", "4"] + TINY
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout
     assert proc.stdout.count("step 8/8") == 1  # only rank 0 logs
-    ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
     assert ckpt["step"] == 8
     assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [4, 8]
     assert evals(out_dir)[-1]["tokens"] == 8 * 2 * 4 * 16  # steps x processes x batch x block
+
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(r0["weights"]) == len(r1["weights"]) == 8
+    assert r0["weights"] == r1["weights"]  # gradients averaged: both processes hold the same model
+    assert all(abs(a - b) > 1e-4 for a, b in zip(r0["losses"], r1["losses"]))  # on different windows
+    logged = [float(l.split("| loss ")[1].split()[0]) for l in proc.stdout.splitlines() if l.startswith("step ")]
+    assert logged == pytest.approx([(a + b) / 2 for a, b in zip(r0["losses"], r1["losses"])], abs=6e-5)
+
+    # each process evaluates half of the windows: the logged loss is the mean over all of them
+    x, y, vocab = val_windows(text_file, block=16, n_windows=2 * 4)
+    assert evals(out_dir)[1]["val_loss"] == pytest.approx(checkpoint_loss(os.path.join(out_dir, "last.pt"), x, y, vocab),
+                                                          abs=1e-5)
+    x, y, _ = val_windows(text_file, block=16)
+    assert evals(out_dir)[-1]["full_val_loss"] == pytest.approx(
+        checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab), abs=1e-5)
 
 
 @pytest.mark.compile
@@ -136,3 +200,537 @@ def test_compiled_training_follows_the_eager_run(text_file, tmp_path, capsys):
     assert len(eager) == len(compiled) == 2
     for e, c in zip(eager, compiled):
         assert abs(e - c) < 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# The learning-rate schedule and the time budget
+# ------------------------------------------------------------------------------------------------
+
+def schedule_args(**kw):
+    base = dict(lr=1.0, min_lr=0.1, warmup_iters=4, lr_decay_iters=14, max_time=None, warmup_frac=0.2)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_iteration_schedule_is_linear_warmup_then_cosine_to_min_lr():
+    args = schedule_args()
+    cosine = lambda r: 0.1 + 0.45 * (1 + math.cos(math.pi * r))  # lr 1 -> min_lr 0.1 over r in [0, 1]
+    expected = {0: 0.25, 1: 0.5, 3: 1.0, 4: 1.0, 6: cosine(0.2), 9: 0.55, 13: cosine(0.9), 14: 0.1, 50: 0.1}
+    for step, lr in expected.items():
+        assert ts.lr_at(args, step, elapsed=123.0) == pytest.approx(lr, abs=1e-12), step
+
+
+def test_time_schedule_follows_the_fraction_of_the_budget_spent():
+    args = schedule_args(max_time=100.0, warmup_frac=0.1)
+    cosine = lambda r: 0.1 + 0.45 * (1 + math.cos(math.pi * r))
+    expected = {0.0: 0.0, 2.5: 0.25, 5.0: 0.5, 10.0: 1.0, 28.0: cosine(0.2), 55.0: 0.55, 91.0: cosine(0.9),
+                100.0: 0.1, 130.0: 0.1}
+    for elapsed, lr in expected.items():
+        assert ts.lr_at(args, step=7, elapsed=elapsed) == pytest.approx(lr, abs=1e-12), elapsed
+
+
+@pytest.fixture
+def lrs(monkeypatch):
+    """The learning rate of every optimizer step, read from AdamW itself."""
+    seen = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return seen
+
+
+def fake_clock(monkeypatch, seconds_per_step):
+    """The trainer reads the clock once at the start and once per step: each reading advances it."""
+    state = {"now": 1000.0}
+
+    def clock():
+        state["now"] += seconds_per_step
+        return state["now"]
+
+    monkeypatch.setattr(ts, "clock", clock)
+
+
+def test_time_budget_sets_schedule_evaluations_and_stop(text_file, tmp_path, capsys, monkeypatch, lrs):
+    fake_clock(monkeypatch, 1.0)  # every step takes one second
+    out_dir = str(tmp_path / "timed")
+    args = ["--data", text_file, "--out-dir", out_dir, "--max-time", "10", "--warmup-frac", "0.2",
+            "--num-evals", "5", "--min-lr", "0.001"] + TIMED
+    run(args, capsys)
+    # step k starts after k seconds: warmup to 0.01 over the first 2 s, then cosine to 0.001 by 10 s
+    expected = [0.01 * k / 2 if k < 2 else 0.001 + 0.0045 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in range(10)]
+    assert lrs == pytest.approx(expected, abs=1e-15)
+    records = evals(out_dir)
+    assert [(r["step"], r["elapsed"]) for r in records if "val_loss" in r] == [(2, 2), (4, 4), (6, 6), (8, 8), (10, 10)]
+    assert "full_val_loss" in records[-1]
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 10
+
+
+def test_a_step_that_passes_several_eval_points_evaluates_once(text_file, tmp_path, capsys, monkeypatch, lrs):
+    fake_clock(monkeypatch, 3.0)  # each step passes 1.5 eval points of 2 s
+    out_dir = str(tmp_path / "timed")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-time", "10", "--num-evals", "5"]
+        + TIMED, capsys)
+    assert len(lrs) == 4  # 3, 6, 9, 12 s: the fourth step ends past the budget
+    assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [1, 2, 3, 4]
+
+
+def test_iteration_based_run_ignores_the_clock(text_file, tmp_path, capsys, monkeypatch, lrs):
+    fake_clock(monkeypatch, 1000.0)
+    out_dir = str(tmp_path / "iters")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "6", "--eval-interval", "3",
+         "--lr-decay-iters", "6"] + TINY, capsys)
+    cosine = lambda r: 1e-3 + 0.5 * (1 + math.cos(math.pi * r)) * 9e-3
+    assert lrs == pytest.approx([5e-3, 1e-2, cosine(0), cosine(0.25), cosine(0.5), cosine(0.75)], abs=1e-15)
+    assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [3, 6]
+
+
+def test_time_and_iteration_flags_do_not_mix(text_file, tmp_path):
+    for extra, match in [(["--max-time", "5", "--max-iters", "5"], "not both"),
+                         (["--max-time", "5", "--eval-interval", "5"], "--eval-interval does not apply"),
+                         (["--max-iters", "5", "--num-evals", "5"], "--num-evals does not apply"),
+                         (["--max-time", "0"], "--max-time must be"),
+                         (["--max-time", "nan"], "--max-time must be"),
+                         (["--max-time", "5", "--warmup-frac", "1"], "--warmup-frac must")]:
+        with pytest.raises(SystemExit, match=match):
+            ts.main(["--data", text_file, "--out-dir", str(tmp_path / "x")] + extra)
+
+
+def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monkeypatch):
+    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TIMED
+    fake_clock(monkeypatch, 1.0)
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    broken = str(tmp_path / "broken")
+    real_get_batch = ts.get_batch
+
+    def killed_at_step_6(split, step, *a):
+        if step == 6:
+            raise KeyboardInterrupt
+        return real_get_batch(split, step, *a)
+
+    monkeypatch.setattr(ts, "get_batch", killed_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        run(common + ["--out-dir", broken], capsys)
+    monkeypatch.setattr(ts, "get_batch", real_get_batch)
+    fake_clock(monkeypatch, 1.0)  # a new process: the clock reads anything, only differences count
+    out = run(common + ["--out-dir", broken, "--resume"], capsys)
+    assert "at step 4" in out
+    assert evals(broken) == evals(straight)  # the fake clock makes even "elapsed" equal
+
+
+# ------------------------------------------------------------------------------------------------
+# Independent oracles: the split and the evaluation windows rebuilt here from the text
+# ------------------------------------------------------------------------------------------------
+
+def val_windows(text_path, block, n_windows=None, seed=1234):
+    """The val split as the trainer defines it (characters sorted into ids, the last 10%), and
+    either its fixed random evaluation windows (the first draw of a generator seeded 1234) or,
+    with n_windows None, all back-to-back windows of the full-val pass."""
+    text = open(text_path, encoding="utf-8").read()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text])
+    val = data[int(0.9 * len(data)):]
+    if n_windows is None:
+        starts = torch.arange(0, len(val) - block, block)
+    else:
+        starts = torch.randint(len(val) - block, (n_windows,), generator=torch.Generator().manual_seed(seed))
+    x = torch.stack([val[i:i + block] for i in starts.tolist()])
+    y = torch.stack([val[i + 1:i + 1 + block] for i in starts.tolist()])
+    return x, y, len(chars)
+
+
+def checkpoint_loss(path, x, y, vocab):
+    """Mean next-character cross-entropy of a saved model on windows (x, y), computed here."""
+    ckpt = torch.load(path, weights_only=True)
+    model = MambaLM(MambaConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    with torch.no_grad():
+        logits = model.eval()(x)[..., :vocab]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+
+
+# a run whose val loss, evaluated every step, falls to a best at step 18 and then rises: patience 3
+# stops it at step 21 (checked in the test, so a change of the numbers cannot hide)
+WOBBLY = ["--max-iters", "24", "--eval-interval", "1", "--lr", "0.1", "--min-lr", "0.1", "--patience", "3"]
+
+
+def without_elapsed(rows):
+    """log.jsonl rows minus the wall-clock field: everything else must match between runs."""
+    return [{k: v for k, v in r.items() if k != "elapsed"} for r in rows]
+
+
+def wobbly_run(text_file, out_dir, capsys, extra=()):
+    run(["--data", text_file, "--out-dir", out_dir] + without(TINY, "--lr") + WOBBLY + list(extra), capsys)
+
+
+def test_best_pt_holds_the_best_model_and_full_val_is_its_loss(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    wobbly_run(text_file, out_dir, capsys)
+    rows = evals(out_dir)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) < 24 and val[-1] > min(val)  # the premise: an early stop after the best
+    x, y, vocab = val_windows(text_file, block=16, n_windows=2 * 4)  # eval_iters x batch
+    assert checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab) == pytest.approx(min(val), abs=1e-5)
+    assert checkpoint_loss(os.path.join(out_dir, "last.pt"), x, y, vocab) == pytest.approx(val[-1], abs=1e-5)
+    x, y, _ = val_windows(text_file, block=16)
+    assert rows[-1]["full_val_loss"] == pytest.approx(checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab),
+                                                      abs=1e-5)
+
+
+def killed_at(monkeypatch, at_step):
+    """Make the next run die (KeyboardInterrupt) as it starts the step numbered at_step + 1."""
+    real_get_batch = ts.get_batch
+
+    def get_batch(split, step, *a):
+        if step == at_step:
+            raise KeyboardInterrupt
+        return real_get_batch(split, step, *a)
+
+    monkeypatch.setattr(ts, "get_batch", get_batch)
+
+
+def test_resume_after_a_kill_gives_the_same_log_and_the_same_early_stop(text_file, tmp_path, capsys, monkeypatch):
+    straight = str(tmp_path / "straight")
+    wobbly_run(text_file, straight, capsys)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 20)  # after the eval at step 20: two evals without improvement so far
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, broken, capsys)
+    wobbly_run(text_file, broken, capsys, ["--resume"])
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+    x, y, vocab = val_windows(text_file, block=16, n_windows=8)
+    for name in ("best.pt", "last.pt"):
+        assert checkpoint_loss(os.path.join(broken, name), x, y, vocab) == \
+            checkpoint_loss(os.path.join(straight, name), x, y, vocab), name
+
+
+def test_a_kill_between_log_row_and_checkpoint_repeats_no_row(text_file, tmp_path, capsys, monkeypatch):
+    straight = str(tmp_path / "straight")
+    wobbly_run(text_file, straight, capsys)
+    broken = str(tmp_path / "broken")
+    real_save = ts.atomic_save
+
+    def dies_before_saving_last_at_step_20(obj, path):
+        if obj["step"] == 20 and path.endswith("last.pt"):
+            raise KeyboardInterrupt  # the row of step 20 is in log.jsonl, last.pt is still step 19
+        real_save(obj, path)
+
+    with monkeypatch.context() as m:
+        m.setattr(ts, "atomic_save", dies_before_saving_last_at_step_20)
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, broken, capsys)
+    assert [r["step"] for r in evals(broken)][-2:] == [19, 20]
+    out = run(["--data", text_file, "--out-dir", broken, "--resume"] + without(TINY, "--lr") + WOBBLY, capsys)
+    assert "at step 19" in out
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_no_temporary_file(text_file, tmp_path, capsys,
+                                                                                    monkeypatch):
+    out_dir = str(tmp_path / "run")
+    real_save = torch.save
+
+    def dies_while_writing(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == 20 and "last.pt" in str(f):
+            with open(f, "wb") as half:
+                half.write(b"PK\x03\x04 half a zip")  # the kill lands in the middle of the write
+            raise KeyboardInterrupt
+        real_save(obj, f, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", dies_while_writing)
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, out_dir, capsys)
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 19
+    [tmp] = [f for f in os.listdir(out_dir) if ".tmp" in f]
+    os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, "last.pt.tmp999999"))  # the killed process's
+    out = run(["--data", text_file, "--out-dir", out_dir, "--resume"] + without(TINY, "--lr") + WOBBLY, capsys)
+    assert "at step 19" in out
+    assert not [f for f in os.listdir(out_dir) if ".tmp" in f]
+
+
+def test_a_fresh_run_never_reads_an_earlier_runs_files(text_file, tmp_path, capsys, monkeypatch):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"]
+        + TINY + ["--d-model", "24"], capsys)  # an earlier run with a bigger model
+    stray = os.path.join(out_dir, "last.pt.tmp4242")
+    open(stray, "wb").write(b"left by a killed save")
+    # the new run diverges at once: it must stop with a clear error, and not end on (or report,
+    # or sample from) the earlier run's best.pt
+    with monkeypatch.context() as m:
+        m.setattr(ts, "loss_fn", lambda *a: torch.tensor(float("nan"), requires_grad=True))
+        with pytest.raises(SystemExit, match="training loss is nan at step 1"):
+            run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "4", "--eval-interval", "2"] + TINY, capsys)
+    assert sorted(os.listdir(out_dir)) == []
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    assert [r["step"] for r in evals(out_dir)] == [2, 2]  # one eval row and the final row, nothing older
+    assert torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)["config"]["d_model"] == 16
+
+
+def test_a_nan_val_loss_stops_the_run(text_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ts, "mean_loss", lambda *a: float("nan"))
+    with pytest.raises(SystemExit, match="val loss is nan at step 2"):
+        run(["--data", text_file, "--out-dir", str(tmp_path / "r"), "--max-iters", "4", "--eval-interval", "2"]
+            + TINY, capsys)
+
+
+class RunsCode:
+    """Unpickling this object opens (creates) a file: what a hostile checkpoint could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_checkpoints_are_loaded_without_running_their_pickle(text_file, tmp_path, capsys):
+    proof = tmp_path / "proof"
+    torch.save({"x": RunsCode(str(proof))}, tmp_path / "proof.pt")
+    torch.load(tmp_path / "proof.pt", weights_only=False)
+    assert proof.exists()  # the crafted file does run code when fully unpickled
+    marker = tmp_path / "marker"
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    hostile = {"model": RunsCode(str(marker)), "config": {}, "vocab": "abc", "step": 1}
+    for name in ("best.pt", "last.pt"):
+        torch.save(hostile, out_dir / name)
+    with pytest.raises(SystemExit, match="cannot load checkpoint .*best.pt"):
+        ts.main(["--sample", "--out-dir", str(out_dir)])
+    with pytest.raises(SystemExit, match="cannot load checkpoint .*last.pt"):
+        ts.main(["--data", text_file, "--out-dir", str(out_dir), "--resume"] + TINY)
+    assert not marker.exists()
+
+
+def test_resume_from_a_truncated_checkpoint_is_a_clear_error(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    path = os.path.join(out_dir, "last.pt")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[:len(data) // 2])
+    with pytest.raises(SystemExit, match="cannot load checkpoint .*last.pt: it is truncated"):
+        ts.main(["--data", text_file, "--out-dir", out_dir, "--resume", "--max-iters", "4"] + TINY)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--d-state", "0"], "--d-state must be at least 1, got 0"),
+    (["--lr=-1e-3"], "--lr must be a positive finite number"),
+    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--lr", "inf"], "--lr must be a positive finite number"),
+    (["--min-lr=-1"], "--min-lr must be a finite number >= 0"),
+    (["--patience=-1"], "--patience must be 0 or more"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
+])
+def test_bad_numbers_are_refused_at_the_start(text_file, tmp_path, extra, match):
+    with pytest.raises(SystemExit, match=match):
+        ts.main(["--data", text_file, "--out-dir", str(tmp_path / "r")] + TINY + extra)
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_bad_data_files_are_clear_errors(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 10)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Ça va très bien, merci.\n".encode("latin-1") * 100)
+    for path, match in [(binary, "holds NUL bytes: a binary file"), (latin1, "is not UTF-8 text"),
+                        (tmp_path, "is a directory; expected a UTF-8 text file")]:
+        with pytest.raises(SystemExit, match=match):
+            ts.main(["--data", str(path), "--out-dir", str(tmp_path / "r")] + TINY)
+
+
+def test_an_out_dir_that_cannot_be_written_fails_before_training(text_file, tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    with pytest.raises(SystemExit, match="is a file; expected a directory"):
+        ts.main(["--data", text_file, "--out-dir", str(a_file)] + TINY)
+    with pytest.raises(SystemExit, match="cannot write to --out-dir"):
+        ts.main(["--data", text_file, "--out-dir", str(a_file / "sub")] + TINY)
+    assert capsys.readouterr().out == ""  # not one step ran
+    if os.geteuid() != 0:  # root writes into read-only directories
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(SystemExit, match="cannot write to --out-dir"):
+            ts.main(["--data", text_file, "--out-dir", str(ro)] + TINY)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--temperature=-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--num-chars=-5"], "--num-chars must be 0 or more"),
+])
+def test_bad_sampling_arguments_are_refused_before_the_prompt_is_printed(text_file, tmp_path, capsys, extra, match):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    with pytest.raises(SystemExit, match=match):
+        ts.main(["--sample", "--out-dir", out_dir, "--prompt", "First"] + extra)
+    assert capsys.readouterr().out == ""
+
+
+def test_the_batch_windows_depend_on_the_rank(monkeypatch):
+    args = argparse.Namespace(seed=1337, block_size=8, batch_size=6)
+    split = torch.arange(10_000)
+    monkeypatch.setattr(ts, "RANK", 0)
+    x0, _ = ts.get_batch(split, 5, args, "cpu")
+    monkeypatch.setattr(ts, "RANK", 1)
+    x1, _ = ts.get_batch(split, 5, args, "cpu")
+    x1_again, _ = ts.get_batch(split, 5, args, "cpu")
+    assert torch.equal(x1, x1_again)  # a function of (seed, rank, step): resumable
+    assert not torch.equal(x0[:, 0], x1[:, 0])  # each process trains on its own windows
+
+
+# ------------------------------------------------------------------------------------------------
+# The architectures: Mamba, Mamba-2 and the GPT yardstick on the same data, windows and log
+# ------------------------------------------------------------------------------------------------
+
+def defaults_for(argv):
+    args = ts.parse_args(argv)
+    ts.fill_defaults(args, torch.device("cpu"))
+    return args
+
+
+def test_gpt_defaults_are_nanogpts_readme_cpu_run():
+    args = defaults_for(["--arch", "gpt"])
+    nanogpt = dict(n_layer=4, n_head=4, d_model=128, block_size=64, batch_size=12, lr=1e-3, min_lr=1e-4,
+                   beta2=0.99, weight_decay=0.1, warmup_iters=100, lr_decay_iters=3000, max_iters=3000,
+                   grad_clip=1.0, eval_iters=20)
+    assert {k: getattr(args, k) for k in nanogpt} == nanogpt
+    mamba = defaults_for([])
+    assert (mamba.arch, mamba.d_state, mamba.beta2, mamba.lr) == ("mamba", 16, 0.95, 6e-3)  # unchanged
+    for argv, match in [(["--arch", "gpt", "--d-state", "8"], "--d-state does not apply to --arch gpt"),
+                        (["--headdim", "8"], "--headdim does not apply to --arch mamba"),
+                        (["--arch", "gpt", "--compile"], "--compile does not apply to --arch gpt"),
+                        (["--n-head", "2"], "--n-head does not apply to --arch mamba")]:
+        with pytest.raises(SystemExit, match=match):
+            defaults_for(argv)
+
+
+def test_the_gpt_yardstick_is_causal_and_nanogpt_sized():
+    from bench import GPTConfig, TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=65))
+    assert sum(p.numel() for p in model.parameters()) - model.pos.weight.numel() == 795_904  # nanoGPT's "0.80M"
+    ids = torch.randint(0, 65, (2, 20))
+    changed = ids.clone()
+    changed[:, 12] = (changed[:, 12] + 1) % 65
+    with torch.no_grad():
+        a, b = model(ids), model(changed)
+    assert torch.equal(a[:, :12], b[:, :12])  # no position sees a later token
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+GPT_TINY = ["--arch", "gpt", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--block-size", "16",
+            "--batch-size", "4", "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--log-interval", "1",
+            "--no-sample"]
+
+
+def test_gpt_trains_resumes_and_samples_on_the_same_windows(text_file, tmp_path, capsys, monkeypatch):
+    common = ["--data", text_file, "--max-iters", "20", "--eval-interval", "5"] + GPT_TINY
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    rows = evals(straight)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 4 and val[-1] < val[0] - 0.3
+    ckpt = torch.load(os.path.join(straight, "best.pt"), weights_only=True)
+    assert ckpt["arch"] == "gpt" and ckpt["config"]["n_head"] == 2
+    groups = ckpt["optimizer"]["param_groups"]
+    assert [(tuple(g["betas"]), g["weight_decay"]) for g in groups] == [((0.9, 0.99), 0.1), ((0.9, 0.99), 0.0)]
+    # the log's val loss is the loss of that model on the windows rebuilt here, as for Mamba
+    from bench import GPTConfig, TinyGPT
+    model = TinyGPT(GPTConfig(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    x, y, vocab = val_windows(text_file, block=16, n_windows=8)
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model.eval()(x).flatten(0, 1), y.flatten()).item()
+    assert loss == pytest.approx(min(val), abs=1e-5)
+    # resume picks the architecture from the checkpoint
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(common + ["--out-dir", broken], capsys)
+    run(["--data", text_file, "--out-dir", broken, "--resume", "--max-iters", "20", "--eval-interval", "5"]
+        + without(GPT_TINY, "--arch"), capsys)
+    assert without_elapsed(evals(broken)) == without_elapsed(rows)
+    out = run(["--sample", "--out-dir", straight, "--prompt", "First", "--num-chars", "40"], capsys)
+    assert out.startswith("First") and len(out) == len("First") + 40 + 1
+    with pytest.raises(SystemExit, match="holds a gpt model, not mamba"):
+        ts.main(["--data", text_file, "--out-dir", broken, "--resume", "--arch", "mamba"])
+
+
+def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("mamba2_minimal")
+    from mamba2_minimal import Mamba2Config, Mamba2LM
+    tiny = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
+    common = ["--data", text_file, "--max-iters", "20", "--eval-interval", "5"] + tiny
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    rows = evals(straight)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 4 and val[-1] < val[0] - 0.3
+    ckpt = torch.load(os.path.join(straight, "best.pt"), weights_only=True)
+    assert ckpt["arch"] == "mamba2"
+    assert (ckpt["config"]["headdim"], ckpt["config"]["d_state"], ckpt["config"]["d_model"]) == (8, 8, 16)
+    model = Mamba2LM(Mamba2Config(**ckpt["config"]))
+    model.load_state_dict(ckpt["model"])
+    x, y, vocab = val_windows(text_file, block=16, n_windows=8)
+    with torch.no_grad():
+        logits = model.eval()(x)[..., :vocab]
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert loss == pytest.approx(min(val), abs=1e-5)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(common + ["--out-dir", broken], capsys)
+    run(["--data", text_file, "--out-dir", broken, "--resume", "--max-iters", "20", "--eval-interval", "5"]
+        + without(tiny, "--arch"), capsys)
+    assert without_elapsed(evals(broken)) == without_elapsed(rows)
+    out = run(["--sample", "--out-dir", straight, "--prompt", "First", "--num-chars", "40"], capsys)
+    assert out.startswith("First") and len(out) == len("First") + 40 + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# --compile where no compiler works
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--compile", "--compile-model"])
+def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path, capsys, monkeypatch, flag):
+    import mamba_minimal as mm
+
+    def broken_compile(fn, *a, **k):  # what a machine without a C++ compiler does at the first call
+        def fails(*args, **kwargs):
+            raise RuntimeError("InductorError: CppCompileError: no working C++ compiler found\nmore")
+        if isinstance(fn, torch.nn.Module):
+            return type("Broken", (torch.nn.Module,), {"forward": lambda self, *a, **k: fails()})()
+        return fails
+
+    common = ["--data", text_file, "--max-iters", "4", "--eval-interval", "2"] + TINY
+    run(common + ["--out-dir", str(tmp_path / "eager")], capsys)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.setattr(mm, "_compiled", {}, raising=False)  # no compiled function from an earlier test
+    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag], capsys)
+    notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
+    assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
+    assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))
+
+
+def test_an_error_after_the_first_step_is_not_swallowed(text_file, tmp_path, capsys, monkeypatch):
+    import mamba_minimal as mm
+    monkeypatch.setattr(torch, "compile", lambda fn, *a, **k: fn)  # a "compiler" that works, instantly
+    monkeypatch.setattr(mm, "_compiled", {}, raising=False)
+    real_step, calls = ts.train_step, []
+
+    def fails_once_at_step_3(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a real bug")  # a retry would succeed: it must not be tried
+        return real_step(*args)
+
+    monkeypatch.setattr(ts, "train_step", fails_once_at_step_3)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        run(["--data", text_file, "--out-dir", str(tmp_path / "r"), "--max-iters", "4", "--compile"] + TINY, capsys)

@@ -2,12 +2,21 @@
 train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
 
     python train_shakespeare.py                              # train with defaults for this device
+    python train_shakespeare.py --max-time 300               # train for 5 minutes, whatever the machine
+    python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
-The script reads top to bottom: settings, data, model, optimizer, evaluation, the loop, sampling.
+The script reads top to bottom: settings, data, the models (--arch mamba, mamba2 or gpt), evaluation,
+sampling, then the whole run: set up or resume, the loop, the end.
+A run is either iteration-based (--max-iters: bit-reproducible, the learning rate follows the step)
+or time-based (--max-time: the learning rate, the evaluations and the stop follow the fraction of
+the time budget spent, so the same curve fits a fast and a slow machine).
 Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
-(one line per evaluation, to plot and compare runs).
+(one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
+files there. --resume continues the exact run (the batches, the patience counter, the time
+budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
+Checkpoints are loaded with torch.load(weights_only=True), so a crafted file cannot run code.
 """
 
 import argparse
@@ -17,6 +26,7 @@ import os
 import sys
 import time
 import urllib.request
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -33,13 +43,34 @@ DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 
 DEFAULTS = {
     # a 0.83M-parameter model sized for a laptop CPU: about 5 minutes to val loss 1.75
-    "cpu": dict(d_model=128, n_layer=7, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
-                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto"),
+    "cpu": dict(d_model=128, n_layer=7, d_state=16, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
+                beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
+                max_time=None, warmup_frac=0.05, num_evals=10),
     # about 11M parameters, in the range of nanoGPT's baby GPT on a GPU
-    "cuda": dict(d_model=384, n_layer=6, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
-                 warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto"),
+    "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
+                 beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
+                 max_time=None, warmup_frac=0.04, num_evals=20),
 }
+# max_time: None means an iteration-based default run (max_iters); a number of seconds makes the
+# default run time-based. warmup_frac and num_evals are the time-based run's warmup and evaluations,
+# chosen as the iteration defaults' 50/1000 and 1000/100.
 DEFAULTS["mps"] = DEFAULTS["cpu"]
+
+# What the other architectures change in the defaults above, per device.
+ARCH_DEFAULTS = {
+    "mamba": {},
+    # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls; heads of 32 channels
+    "mamba2": {"cpu": dict(d_state=64, headdim=32), "cuda": dict(d_state=64, headdim=64)},
+    # The yardstick: nanoGPT's README CPU run (config/train_shakespeare_char.py with a 4-layer,
+    # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its
+    # dropout); iteration-based, as nanoGPT's schedule is. It has no SSM state and no scan.
+    "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
+                        max_iters=3000, lr_decay_iters=3000, max_time=None, d_state=None, scan_backend=None),
+            "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
+                         max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
+}
+ARCH_FLAGS = {"d_state": ("mamba", "mamba2"), "headdim": ("mamba2",), "n_head": ("gpt",),
+              "scan_backend": ("mamba",), "compile": ("mamba",)}  # model flags that only some archs have
 
 
 def parse_args(argv=None):
@@ -48,12 +79,17 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="out", help="where checkpoints and log.jsonl go")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--seed", type=int, default=1337)
-    m = p.add_argument_group("model (defaults depend on the device)")
+    m = p.add_argument_group("model (defaults depend on the device and the architecture)")
+    m.add_argument("--arch", choices=["mamba", "mamba2", "gpt"],
+                   help="mamba (default), mamba2 (SSD, mamba2_minimal.py) or gpt (the yardstick in bench.py); "
+                        "--resume and --sample read it from the checkpoint")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
-    m.add_argument("--d-state", type=int, default=16)
+    m.add_argument("--d-state", type=int, help="mamba, mamba2: the SSM state size N")
+    m.add_argument("--headdim", type=int, help="mamba2: channels per head")
+    m.add_argument("--n-head", type=int, help="gpt: attention heads")
     m.add_argument("--scan-backend", choices=["auto", "sequential", "pscan", "associative", "chunked"])
-    m.add_argument("--compile", action="store_true", help="run the selective scan through the fused, compiled chunked path")
+    m.add_argument("--compile", action="store_true", help="mamba: run the selective scan through the fused, compiled chunked path")
     m.add_argument("--compile-model", action="store_true",
                    help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
     m.add_argument("--no-recompute", dest="recompute", action="store_false",
@@ -61,14 +97,19 @@ def parse_args(argv=None):
     t = p.add_argument_group("training (defaults depend on the device)")
     t.add_argument("--block-size", type=int)
     t.add_argument("--batch-size", type=int, help="per process")
-    t.add_argument("--max-iters", type=int)
+    t.add_argument("--max-iters", type=int, help="train this many steps (iteration-based run)")
+    t.add_argument("--max-time", type=float, metavar="SECONDS",
+                   help="train for this many seconds instead, compiling and evaluating included (time-based run)")
     t.add_argument("--lr", type=float, help="peak learning rate")
     t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
-    t.add_argument("--warmup-iters", type=int)
-    t.add_argument("--lr-decay-iters", type=int, help="length of the cosine decay (default max-iters)")
+    t.add_argument("--warmup-iters", type=int, help="iteration-based runs: steps of linear warmup")
+    t.add_argument("--lr-decay-iters", type=int, help="iteration-based runs: length of the cosine decay (default max-iters)")
+    t.add_argument("--warmup-frac", type=float, help="time-based runs: fraction of the budget spent warming up")
+    t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--eval-interval", type=int)
+    t.add_argument("--eval-interval", type=int, help="iteration-based runs: steps between evaluations")
+    t.add_argument("--num-evals", type=int, help="time-based runs: evaluations, at equal fractions of the budget")
     t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
     t.add_argument("--log-interval", type=int, default=10)
     t.add_argument("--patience", type=int, default=0, help="stop after this many evals without improvement (0: never)")
@@ -95,18 +136,91 @@ def pick_device(name):
     return torch.device("cpu")
 
 
+ITERATION_FLAGS = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_interval")
+TIME_FLAGS = ("max_time", "warmup_frac", "num_evals")
+
+
+def flag(key):
+    return "--" + key.replace("_", "-")
+
+
 def fill_defaults(args, device):
-    for key, value in DEFAULTS[device.type].items():
+    given = [k for k in ITERATION_FLAGS + TIME_FLAGS if getattr(args, k) is not None]
+    if args.max_iters is not None and args.max_time is not None:
+        sys.exit("error: give --max-iters (an iteration-based run) or --max-time (a time-based run), not both")
+    if args.arch is None:
+        args.arch = "mamba"
+    wrong = [k for k, archs in ARCH_FLAGS.items() if getattr(args, k) not in (None, False) and args.arch not in archs]
+    if wrong:
+        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to --arch {args.arch}")
+    defaults = {**DEFAULTS[device.type], **ARCH_DEFAULTS[args.arch].get(device.type, {})}
+    if args.max_iters is not None:
+        defaults["max_time"] = None  # asking for iterations overrides a time-based default
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.max_time is not None:
+        args.max_iters = None  # a time-based run: the budget alone says when to stop
+    # flags of the other kind of run would be silently ignored: refuse them
+    wrong = [k for k in given if k in (ITERATION_FLAGS if args.max_time is not None else TIME_FLAGS)]
+    if wrong:
+        kind = "a time-based (--max-time)" if args.max_time is not None else "an iteration-based (--max-iters)"
+        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to {kind} run")
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.max_iters
-    for key in ("d_model", "n_layer", "block_size", "batch_size", "max_iters", "eval_interval",
-                "eval_iters", "log_interval"):
-        if getattr(args, key) < 1:
-            sys.exit(f"error: --{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+    if args.max_time is not None:
+        if not (math.isfinite(args.max_time) and args.max_time > 0):
+            sys.exit(f"error: --max-time must be a positive number of seconds, got {args.max_time}")
+        if not 0 <= args.warmup_frac < 1:
+            sys.exit(f"error: --warmup-frac must lie in [0, 1), got {args.warmup_frac}")
+    check_numbers(args)
+
+
+def check_numbers(args):
+    """Refuse at the start what would otherwise fail (or silently mislead) minutes later."""
+    def need(ok, key, what):
+        if not ok:
+            sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
+
+    for key in ("d_model", "n_layer", "d_state", "headdim", "n_head", "block_size", "batch_size", "max_iters",
+                "eval_interval", "eval_iters", "log_interval", "num_evals"):
+        value = getattr(args, key)
+        need(value is None or value >= 1, key, "at least 1")
+    for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
+        value = getattr(args, key)
+        need(value is None or value >= 0, key, "0 or more")
+    need(math.isfinite(args.lr) and args.lr > 0, "lr", "a positive finite number")
+    for key in ("min_lr", "weight_decay", "grad_clip", "temperature"):
+        need(math.isfinite(getattr(args, key)) and getattr(args, key) >= 0, key, "a finite number >= 0")
+    need(args.top_k is None or args.top_k >= 1, "top_k", "at least 1")
+    need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
+
+
+def clock():
+    """Seconds on a monotonic clock. The loop reads time only through this function, once per
+    step, so a test can replace it with a fake clock and check a time-based run exactly."""
+    return time.perf_counter()
+
+
+def lr_at(args, step, elapsed):
+    """The learning rate of the next step: linear warmup, then cosine decay to min_lr (as in
+    nanoGPT). An iteration-based run measures progress in steps; a time-based run in the fraction
+    of --max-time spent before this step (its first step, at fraction 0, runs at lr 0: it only
+    primes AdamW's moment estimates)."""
+    if args.max_time is None:
+        progress, warmup, end = step, args.warmup_iters, args.lr_decay_iters
+        if progress < warmup:
+            return args.lr * (step + 1) / warmup  # the step's end: the first step is not wasted
+    else:
+        progress, warmup, end = elapsed / args.max_time, args.warmup_frac, 1.0
+        if progress < warmup:
+            return args.lr * progress / warmup
+    if progress >= end:
+        return args.min_lr
+    ratio = (progress - warmup) / (end - warmup)  # 0 -> 1 over the decay
+    return args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
 
 
 def log(*a):
@@ -114,11 +228,73 @@ def log(*a):
         print(*a, flush=True)
 
 
+def first_line(err):
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def atomic_save(obj, path):
-    """Write to a temporary file, then rename: an interrupted save never leaves a broken file."""
+    """Write to a temporary file, then rename: an interrupted save never leaves a broken file
+    (only, at worst, a stray temporary file that the next run removes)."""
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+CHECKPOINT_KEYS = ("model", "config", "vocab")
+
+
+def load_checkpoint(path):
+    """A checkpoint as plain tensors and Python values. weights_only=True: a .pt file is a pickle,
+    and a full unpickle of a file someone handed you would run whatever code it names."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated zip, a foreign pickle, a directory ...
+        sys.exit(f"error: cannot load checkpoint {path}: it is truncated, not a checkpoint, or holds "
+                 f"objects other than tensors and plain values ({type(err).__name__}: {first_line(err)})")
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        sys.exit(f"error: {path} is not a checkpoint of this trainer (it lacks {missing})")
+    return ckpt
+
+
+def truncate_log(log_path, step):
+    """On resume: keep the evaluations up to the checkpoint's step. A run killed after writing a
+    row but before saving last.pt would otherwise repeat that row; a finished run's final row
+    (full_val_loss) belongs to an end that the resumed run will reach again."""
+    rows = []
+    if os.path.exists(log_path):
+        with open(log_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the kill
+                    continue
+                if "val_loss" in row and row["step"] <= step:
+                    rows.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{log_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(rows)
+    os.replace(tmp, log_path)
+
+
+def stray_temporaries(out_dir):
+    return [os.path.join(out_dir, f) for f in os.listdir(out_dir)
+            if f.startswith(("last.pt.tmp", "best.pt.tmp", "log.jsonl.tmp"))]
+
+
+def check_out_dir(out_dir):
+    """Fail now, not at the first evaluation minutes from now, if the checkpoints cannot be written."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        sys.exit(f"error: --out-dir {out_dir} is a file; expected a directory (it is created if missing)")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write-test{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as err:
+        sys.exit(f"error: cannot write to --out-dir {out_dir} ({err.strerror or err})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,13 +320,21 @@ def read_text(path):
                 os.replace(tmp, path)
             if WORLD > 1:
                 dist.barrier()
+    if os.path.isdir(path):
+        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
     if not os.path.isfile(path):
         sys.exit(f"error: data file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if not text:
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
         sys.exit(f"error: data file {path} is empty")
-    return text
+    if b"\0" in raw:
+        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
 
 
 def get_batch(split, step, args, device):
@@ -165,6 +349,57 @@ def windows(split, starts, block_size, device):
     x = torch.stack([split[i:i + block_size] for i in starts.tolist()])  # (B, T)
     y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts.tolist()])  # (B, T)
     return x.to(device), y.to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), the GPT yardstick (bench.py)
+# ------------------------------------------------------------------------------------------------
+
+def arch_classes(arch):
+    """(config class, model class). Mamba-2 and the GPT are imported only when asked for."""
+    if arch == "mamba":
+        return MambaConfig, MambaLM
+    try:
+        if arch == "mamba2":
+            from mamba2_minimal import Mamba2Config, Mamba2LM
+            return Mamba2Config, Mamba2LM
+        from bench import GPTConfig, TinyGPT
+        return GPTConfig, TinyGPT
+    except ImportError as err:
+        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
+
+
+def model_kwargs(args, vocab_size):
+    kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
+    if args.arch == "mamba":
+        kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
+                  recompute=args.recompute)
+    elif args.arch == "mamba2":
+        # a training block is then one chunk or a few: the official chunk of 256 would pad a
+        # 64-character block four times over
+        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size))
+    else:
+        kw.update(n_head=args.n_head, block_size=args.block_size)
+    return kw
+
+
+def build_model(arch, config):
+    """config: a dict of the architecture's config fields, from the flags or a checkpoint."""
+    config_class, model_class = arch_classes(arch)
+    try:
+        return model_class(config_class(**config))
+    except (TypeError, ValueError) as err:
+        sys.exit(f"error: cannot build the {arch} model: {err}")
+
+
+def config_dict(model):
+    return dict(vars(model.cfg))
+
+
+def set_compile_scan(model, value):
+    """Turn the compiled scan of a Mamba model on or off (a no-op for the other models)."""
+    if hasattr(model.cfg, "compile_scan"):
+        model.cfg.compile_scan = value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,6 +428,40 @@ def mean_loss(model, split, starts, args, device, autocast):
     return (total[0] / total[1]).item()
 
 
+def mean_over_processes(loss):
+    """The training loss averaged over all processes (each saw its own batch), as a float."""
+    loss = loss.detach().float()
+    if WORLD > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= WORLD
+    return loss.item()
+
+
+# ------------------------------------------------------------------------------------------------
+# One training step
+# ------------------------------------------------------------------------------------------------
+
+def train_step(model, optimizer, x, y, args, autocast):
+    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits)."""
+    loss = loss_fn(model, x, y, autocast)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    optimizer.step()
+    return loss
+
+
+def wrap(raw_model, compile_model, ddp, device):
+    """The model the loop calls: maybe compiled whole, maybe wrapped for data parallelism (DDP
+    averages the gradients of all processes during backward)."""
+    model = torch.compile(raw_model) if compile_model else raw_model
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling
 # ------------------------------------------------------------------------------------------------
@@ -218,9 +487,9 @@ def load_for_sampling(args, device):
     path = args.checkpoint or os.path.join(args.out_dir, "best.pt")
     if not os.path.exists(path):
         sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    # a prompt is read once: compiling the scan for it would cost more than it saves
-    model = MambaLM(MambaConfig(**{**ckpt["config"], "compile_scan": False}))
+    ckpt = load_checkpoint(path)
+    model = build_model(ckpt.get("arch", "mamba"), ckpt["config"])
+    set_compile_scan(model, False)  # a prompt is read once: compiling for it costs more than it saves
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt
 
@@ -233,184 +502,242 @@ RANK, WORLD, VOCAB_SIZE = 0, 1, None
 RUNTIME_FIELDS = ("scan_backend", "compile_scan", "chunk_size", "recompute")  # free to change on resume
 
 
-def model_identity(config_dict):
-    return {k: v for k, v in config_dict.items() if k not in RUNTIME_FIELDS}
+def model_identity(config):
+    return {k: v for k, v in config.items() if k not in RUNTIME_FIELDS}
+
+
+@dataclass
+class Progress:
+    """Where a run stands. Every checkpoint holds it, so --resume continues exactly from here."""
+    step: int = 0
+    best_val: float = math.inf
+    bad_evals: int = 0  # evaluations since the best one (for --patience)
+    elapsed: float = 0.0  # seconds of training, compiling and evaluating: what --max-time counts
+    tokens: int = 0
+    evals_done: int = 0  # time-based runs: how many of the budget's evaluation points have passed
+
+
+def start_processes(args):
+    """(ddp, device). Under torchrun: one process per GPU, or gloo processes on a CPU."""
+    global RANK, WORLD
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False, pick_device(args.device)
+    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return True, device
+
+
+def read_last_checkpoint(args):
+    """--resume: last.pt, read before the defaults are filled in, since its architecture decides them."""
+    path = os.path.join(args.out_dir, "last.pt")
+    if not os.path.exists(path):
+        sys.exit(f"error: --resume needs {path}, which does not exist")
+    ckpt = load_checkpoint(path)
+    arch = ckpt.get("arch", "mamba")
+    if args.arch not in (None, arch):
+        sys.exit(f"error: {path} holds a {arch} model, not {args.arch}; drop --arch to resume it")
+    args.arch = arch
+    return ckpt
+
+
+class Run:
+    """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
+
+    def __init__(self, args, device, ddp, ckpt=None):
+        global VOCAB_SIZE
+        self.args, self.device, self.ddp = args, device, ddp
+        self.last_path = os.path.join(args.out_dir, "last.pt")
+        self.best_path = os.path.join(args.out_dir, "best.pt")
+        self.log_path = os.path.join(args.out_dir, "log.jsonl")
+
+        # ---------------------------------------------------------------- data
+        text = read_text(args.data)
+        self.chars = "".join(sorted(set(text)))
+        VOCAB_SIZE = len(self.chars)
+        stoi = {c: i for i, c in enumerate(self.chars)}
+        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+        n_train = int(0.9 * len(data))
+        self.train_data, self.val_data = data[:n_train], data[n_train:]
+        if len(self.val_data) <= args.block_size:
+            sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
+                     f"({len(self.val_data)}) must be longer than one block ({args.block_size}). "
+                     f"Use a longer text or a smaller --block-size.")
+        # the same windows at every evaluation, so the curve measures the model, not the sample
+        g = torch.Generator().manual_seed(1234)
+        n_eval = args.eval_iters * args.batch_size
+        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
+        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
+
+        # ---------------------------------------------------------------- model and optimizer
+        self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
+        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
+                                           betas=(0.9, args.beta2),
+                                           **({"fused": True} if device.type == "cuda" else {}))
+
+        # ---------------------------------------------------------------- fresh start or resume
+        if RANK == 0:
+            for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
+                os.remove(tmp)
+        self.p = Progress()
+        if ckpt is not None:
+            self.resume(ckpt)
+        else:
+            if os.path.exists(self.last_path):
+                log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
+                    f"log (use --resume to continue it, or another --out-dir to keep it)")
+            if RANK == 0:  # a fresh run never reads, nor ends on, an earlier run's files
+                for path in (self.log_path, self.best_path, self.last_path):
+                    if os.path.exists(path):
+                        os.remove(path)
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
+            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
+            f"{torch.get_num_threads()} thread(s)")
+        self.model = wrap(self.raw_model, args.compile_model, ddp, device)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def resume(self, ckpt):
+        if ckpt["vocab"] != self.chars:
+            sys.exit(f"error: {self.last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
+                     f"characters, this text has {len(self.chars)}); use the same --data or a new --out-dir")
+        if model_identity(ckpt["config"]) != model_identity(config_dict(self.raw_model)):
+            sys.exit(f"error: {self.last_path} holds another model config {ckpt['config']}; "
+                     f"resume with the same model flags or use a new --out-dir")
+        self.raw_model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress)})
+        if RANK == 0:
+            truncate_log(self.log_path, self.p.step)
+        log(f"resumed from {self.last_path} at step {self.p.step} (best val {self.p.best_val:.4f})")
+
+    def save(self, path):
+        atomic_save({"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                     "arch": self.args.arch, "config": config_dict(self.raw_model), "vocab": self.chars,
+                     "torch_rng": torch.get_rng_state(), "args": vars(self.args), **asdict(self.p)}, path)
+
+    def append_log(self, **losses):  # one JSON object per line in log.jsonl
+        row = {"step": self.p.step, "elapsed": round(self.p.elapsed, 2), "tokens": self.p.tokens, **losses}
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def evaluate(self):
+        args, p = self.args, self.p
+        train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
+        val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
+        if not math.isfinite(val_loss):
+            sys.exit(f"error: the val loss is {val_loss} at step {p.step}: the run diverged; "
+                     f"try a lower --lr (now {args.lr:g})")
+        improved = val_loss < p.best_val
+        p.best_val = min(p.best_val, val_loss)
+        p.bad_evals = 0 if improved else p.bad_evals + 1
+        log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
+            f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
+        if RANK == 0:
+            self.append_log(train_loss=train_loss, val_loss=val_loss)
+            if improved:
+                self.save(self.best_path)
+            self.save(self.last_path)
+
+    # -------------------------------------------------------------------- the loop
+    def train(self):
+        args, p = self.args, self.p
+        tokens_per_step = args.batch_size * args.block_size * WORLD
+        if args.compile or args.compile_model:
+            log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
+        self.model.train()
+        t_start = t_last = clock()
+        step_at_last = step_at_start = p.step
+        elapsed_before = p.elapsed
+        while p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time:
+            lr = lr_at(args, p.step, p.elapsed)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            x, y = get_batch(self.train_data, p.step, args, self.device)
+            try:
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast)
+            except Exception as err:  # the compiler runs at the first step: is there a working one?
+                if p.step > step_at_start or not (args.compile or args.compile_model):
+                    raise
+                log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
+                args.compile = args.compile_model = False
+                set_compile_scan(self.raw_model, False)
+                self.model = wrap(self.raw_model, False, self.ddp, self.device)
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast)
+            p.step += 1
+            p.tokens += tokens_per_step
+            now = clock()  # the only clock reading of the step
+            p.elapsed = elapsed_before + now - t_start
+            first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
+            if p.step % args.log_interval == 0 or first_step:
+                loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
+                if not math.isfinite(loss_value):
+                    sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
+                             f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
+                dt = (now - t_last) / max(1, p.step - step_at_last)
+                t_last, step_at_last = now, p.step
+                if args.max_time is None:
+                    where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
+                else:
+                    where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
+                speed = (f"first step {dt:.1f}s" if first_step else
+                         f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
+                log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
+            if args.max_time is None:
+                due = p.step % args.eval_interval == 0 or p.step == args.max_iters
+            else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
+                points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
+                due = points > p.evals_done or p.elapsed >= args.max_time
+                p.evals_done = points
+            if due:
+                self.evaluate()
+                if args.patience and p.bad_evals >= args.patience:
+                    log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
+                    break
+
+    # -------------------------------------------------------------------- the end
+    def finish(self):
+        """The best checkpoint's loss on the whole val split, and a sample from it."""
+        args = self.args
+        if WORLD > 1:
+            dist.barrier()  # rank 0 has finished writing best.pt
+        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
+        starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
+        set_compile_scan(self.raw_model, False)  # its last, smaller batch would cost a compile of its own
+        full_val = mean_loss(self.model, self.val_data, starts, args, self.device, self.autocast)
+        log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
+            f"loss {full_val:.4f} (best checkpoint)")
+        if RANK == 0:
+            self.append_log(full_val_loss=full_val)
+            if not args.no_sample:
+                print("-" * 80)
+                sample(self.raw_model.eval(), self.chars, "\n", 300, args.temperature, args.top_k, self.device)
 
 
 def main(argv=None):
-    global RANK, WORLD, VOCAB_SIZE
     args = parse_args(argv)
-    ddp = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if ddp:
-        RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        use_cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
-        device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
-        if use_cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    else:
-        device = pick_device(args.device)
+    ddp, device = start_processes(args)
+    ckpt = read_last_checkpoint(args) if args.resume and not args.sample else None
     fill_defaults(args, device)
     torch.manual_seed(args.seed)
-
     if args.sample:
-        model, ckpt = load_for_sampling(args, device)
+        model, sampled = load_for_sampling(args, device)
         try:
             if RANK == 0:
-                sample(model, ckpt["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
+                sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
         except ValueError as err:
             sys.exit(f"error: {err}")
-        if ddp:
-            dist.destroy_process_group()
-        return
-
-    # -------------------------------------------------------------------- data
-    text = read_text(args.data)
-    chars = "".join(sorted(set(text)))
-    VOCAB_SIZE = len(chars)
-    stoi = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    n_train = int(0.9 * len(data))
-    train_data, val_data = data[:n_train], data[n_train:]
-    if len(val_data) <= args.block_size:
-        sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
-                 f"({len(val_data)}) must be longer than one block ({args.block_size}). "
-                 f"Use a longer text or a smaller --block-size.")
-    # the same windows at every evaluation, so the curve measures the model, not the sample
-    g = torch.Generator().manual_seed(1234)
-    n_eval = args.eval_iters * args.batch_size
-    val_starts = torch.randint(len(val_data) - args.block_size, (n_eval,), generator=g)
-    train_starts = torch.randint(len(train_data) - args.block_size, (n_eval,), generator=g)
-
-    # -------------------------------------------------------------------- model
-    cfg = MambaConfig(d_model=args.d_model, n_layer=args.n_layer, vocab_size=VOCAB_SIZE,
-                      d_state=args.d_state, scan_backend=args.scan_backend,
-                      compile_scan=args.compile, recompute=args.recompute)
-    model = MambaLM(cfg).to(device)
-    optimizer = torch.optim.AdamW(model.optim_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
-                                  **({"fused": True} if device.type == "cuda" else {}))
-    os.makedirs(args.out_dir, exist_ok=True)
-    last_path, best_path = os.path.join(args.out_dir, "last.pt"), os.path.join(args.out_dir, "best.pt")
-    log_path = os.path.join(args.out_dir, "log.jsonl")
-    step, best_val, elapsed_before, tokens_before, bad_evals = 0, float("inf"), 0.0, 0, 0
-    if args.resume:
-        if not os.path.exists(last_path):
-            sys.exit(f"error: --resume needs {last_path}, which does not exist")
-        ckpt = torch.load(last_path, map_location="cpu", weights_only=False)
-        if ckpt["vocab"] != chars:
-            sys.exit(f"error: {last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
-                     f"characters, this text has {len(chars)}); use the same --data or a new --out-dir")
-        if model_identity(ckpt["config"]) != model_identity(cfg.__dict__):
-            sys.exit(f"error: {last_path} holds another model config {ckpt['config']}; "
-                     f"resume with the same model flags or use a new --out-dir")
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["torch_rng"])
-        step, best_val = ckpt["step"], ckpt["best_val"]
-        elapsed_before, tokens_before = ckpt["elapsed"], ckpt["tokens"]
-        log(f"resumed from {last_path} at step {step} (best val {best_val:.4f})")
     else:
-        if os.path.exists(last_path):
-            log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
-                f"log (use --resume to continue it, or another --out-dir to keep it)")
-        if RANK == 0 and os.path.exists(log_path):
-            os.remove(log_path)  # a fresh run starts a fresh curve
-    n_params = sum(p.numel() for p in model.parameters())
-    log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(train_data):,} train / "
-        f"{len(val_data):,} val characters, device {device}, {WORLD} process(es), "
-        f"{torch.get_num_threads()} thread(s)")
-
-    raw_model = model
-    if args.compile_model:
-        model = torch.compile(model)
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def lr_at(it):  # linear warmup, then cosine decay to min_lr
-        if it < args.warmup_iters:
-            return args.lr * (it + 1) / args.warmup_iters
-        if it >= args.lr_decay_iters:
-            return args.min_lr
-        ratio = (it - args.warmup_iters) / max(1, args.lr_decay_iters - args.warmup_iters)
-        return args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
-
-    def save(path):
-        atomic_save({"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "config": cfg.__dict__, "vocab": chars, "step": step, "best_val": best_val,
-                     "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "tokens": tokens,
-                     "args": vars(args)}, path)
-
-    def append_log(**losses):  # one JSON object per line in log.jsonl
-        with open(log_path, "a") as f:
-            f.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens, **losses}) + "\n")
-
-    def evaluate():
-        nonlocal best_val, bad_evals
-        train_loss = mean_loss(model, train_data, train_starts, args, device, autocast)
-        val_loss = mean_loss(model, val_data, val_starts, args, device, autocast)
-        improved = val_loss < best_val
-        best_val = min(best_val, val_loss)
-        bad_evals = 0 if improved else bad_evals + 1
-        log(f"eval step {step}: train {train_loss:.4f}, val {val_loss:.4f}"
-            f"{' (best)' if improved else ''}, {elapsed:.0f}s")
         if RANK == 0:
-            append_log(train_loss=train_loss, val_loss=val_loss)
-            if improved:
-                save(best_path)
-            save(last_path)
-
-    # -------------------------------------------------------------------- the loop
-    tokens_per_step = args.batch_size * args.block_size * WORLD
-    elapsed, tokens = elapsed_before, tokens_before
-    if args.compile or args.compile_model:
-        log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
-    model.train()
-    t_start, t_last, step_at_last, step_at_start = time.time(), time.time(), step, step
-    while step < args.max_iters:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        x, y = get_batch(train_data, step, args, device)
-        loss = loss_fn(model, x, y, autocast)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        optimizer.step()
-        step += 1
-        tokens += tokens_per_step
-        elapsed = elapsed_before + time.time() - t_start
-        first_step = step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
-        if step % args.log_interval == 0 or first_step:
-            now = time.time()
-            dt = (now - t_last) / max(1, step - step_at_last)
-            t_last, step_at_last = now, step
-            speed = (f"first step {dt:.1f}s" if first_step else
-                     f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {dt * (args.max_iters - step):.0f}s")
-            log(f"step {step}/{args.max_iters} | loss {loss.item():.4f} | lr {lr_at(step - 1):.2e} | "
-                f"{speed} | elapsed {elapsed:.0f}s")
-        if step % args.eval_interval == 0 or step == args.max_iters:
-            evaluate()
-            if args.patience and bad_evals >= args.patience:
-                log(f"early stop: val loss has not improved for {bad_evals} evaluations")
-                break
-
-    # -------------------------------------------------------------------- the end
-    if WORLD > 1:
-        dist.barrier()  # rank 0 has finished writing best.pt
-    if os.path.exists(best_path):
-        raw_model.load_state_dict(torch.load(best_path, map_location="cpu", weights_only=False)["model"])
-    starts = torch.arange(0, len(val_data) - args.block_size, args.block_size)
-    raw_model.cfg.compile_scan = False  # its last, smaller batch would cost a compile of its own
-    full_val = mean_loss(model, val_data, starts, args, device, autocast)
-    log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
-        f"loss {full_val:.4f} (best checkpoint)")
-    if RANK == 0:
-        append_log(full_val_loss=full_val)
-        if not args.no_sample:
-            print("-" * 80)
-            sample(raw_model.eval(), chars, "\n", 300, args.temperature, args.top_k, device)
+            check_out_dir(args.out_dir)
+        run = Run(args, device, ddp, ckpt)
+        run.train()
+        run.finish()
     if ddp:
         dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
         dist.destroy_process_group()
