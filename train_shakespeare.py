@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mamba_minimal import MambaConfig, MambaLM
+from mamba_minimal import SCAN_BACKENDS, MambaConfig, MambaLM
 
 DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
@@ -88,7 +88,7 @@ def parse_args(argv=None):
     m.add_argument("--d-state", type=int, help="mamba, mamba2: the SSM state size N")
     m.add_argument("--headdim", type=int, help="mamba2: channels per head")
     m.add_argument("--n-head", type=int, help="gpt: attention heads")
-    m.add_argument("--scan-backend", choices=["auto", "sequential", "pscan", "associative", "chunked"])
+    m.add_argument("--scan-backend", choices=SCAN_BACKENDS)
     m.add_argument("--compile", action="store_true", help="mamba: run the selective scan through the fused, compiled chunked path")
     m.add_argument("--compile-model", action="store_true",
                    help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
