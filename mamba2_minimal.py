@@ -314,3 +314,383 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     # h[:, -1] is a view that would keep every chunk's state alive: copy the one we return
     h_last = h[:, -1].reshape(b, H, P, N).clone(memory_format=torch.contiguous_format)  # (B, H, P, N)
     return y, h_last
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. The model
+# ------------------------------------------------------------------------------------------------
+# The official MambaLMHeadModel is one class for both generations: ssm_cfg["layer"] picks the
+# mixer, and everything around it (embedding, pre-norm residual blocks with an fp32 residual
+# stream, norm_f, tied head, the init of mixer_seq_simple's `_init_weights`) is shared. So is it
+# here: Mamba2LM is mamba_minimal.MambaLM with Mamba-2 mixers in its blocks.
+
+@dataclass
+class Mamba2Config:
+    """Field names follow the official Mamba2 block and MambaConfig (config_mamba.py)."""
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    headdim: int = 64
+    d_ssm: Optional[int] = None  # channels that go through the SSM; None: all d_inner (the rest: a gated MLP)
+    ngroups: int = 1
+    A_init_range: tuple = (1, 16)
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple = (0.0, float("inf"))
+    bias: bool = False
+    conv_bias: bool = True
+    chunk_size: int = 256
+    norm_epsilon: float = 1e-5
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    residual_in_fp32: bool = True
+    # how to run the recurrence across chunks (not part of a checkpoint's identity)
+    scan_backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim",
+                     "ngroups", "chunk_size", "pad_vocab_size_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Mamba2Config.{name} must be a positive integer, got {value!r}")
+        if self.d_ssm is None:
+            self.d_ssm = self.d_inner
+        if not 0 < self.d_ssm <= self.d_inner or self.d_ssm % self.headdim:
+            raise ValueError(f"d_ssm = {self.d_ssm} must be a multiple of headdim = {self.headdim} "
+                             f"and at most d_inner = expand * d_model = {self.d_inner}")
+        if self.nheads % self.ngroups:
+            raise ValueError(f"the number of heads d_ssm / headdim = {self.nheads} must be a multiple "
+                             f"of ngroups = {self.ngroups}")
+        self.A_init_range, self.dt_limit = tuple(self.A_init_range), tuple(self.dt_limit)
+        if not 0 < self.A_init_range[0] <= self.A_init_range[1]:
+            raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {self.A_init_range}")
+        if not 0 < self.dt_min <= self.dt_max:
+            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
+        if self.scan_backend not in pscan.BACKENDS:
+            raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
+
+    @property
+    def d_inner(self):
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self):
+        return self.d_ssm // self.headdim
+
+    @property
+    def conv_dim(self):  # the conv runs over x, B and C together
+        return self.d_ssm + 2 * self.ngroups * self.d_state
+
+    @property
+    def padded_vocab_size(self):
+        m = self.pad_vocab_size_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+
+class RMSNormGated(RMSNorm):
+    """The official RMSNormGated with norm_before_gate=False: y·SiLU(z) first, then an RMSNorm
+    over each group of group_size channels (d_ssm / ngroups: one group per B/C group, so the
+    norm does not mix what different groups computed), in fp32."""
+
+    def __init__(self, d, group_size, eps=1e-5):
+        super().__init__(d, eps)
+        self.group_size = group_size
+
+    def forward(self, y, z):
+        gated = _at_least_fp32(y) * F.silu(_at_least_fp32(z))  # (..., d)
+        groups = gated.unflatten(-1, (-1, self.group_size))  # (..., d / group_size, group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return groups.flatten(-2).to(self.weight.dtype) * self.weight  # (..., d)
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 block (the official `Mamba2` module, named `mixer` in the tree).
+
+    u ─ in_proj ─┬─ z ─────────────────────────────────────────────────────────────┐
+                 ├─ x, B, C ─ causal conv1d ─ SiLU ─┬─ x ─┬─ SSD (+D·x) ─ y ─ gated RMSNorm ─ out_proj
+                 │                                  └ B, C┘      │             (y·SiLU(z))
+                 └─ dt ─ softplus(dt + dt_bias) ─ Δ ─────────────┘
+
+    Unlike Mamba-1, every SSM input (x, B, C and Δ) comes straight from in_proj, in parallel,
+    instead of B, C, Δ being computed from x (paper section 7.1): one projection, and the
+    norm before out_proj (absent in Mamba-1) keeps training stable at scale.
+    """
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.cfg = cfg
+        H, G, N = cfg.nheads, cfg.ngroups, cfg.d_state
+        self.d_mlp = cfg.d_inner - cfg.d_ssm  # 0 unless d_ssm < d_inner
+        # in_proj's output, in the official order: [z0, x0 (the gated MLP, d_mlp each), z (d_ssm),
+        # xBC (d_ssm + 2·G·N), dt (H)]
+        self.split_sizes = [self.d_mlp, self.d_mlp, cfg.d_ssm, cfg.conv_dim, H]
+        self.in_proj = nn.Linear(cfg.d_model, sum(self.split_sizes), bias=cfg.bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim,
+                                padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))  # A = -exp(A_log), one scalar per head
+        self.D = nn.Parameter(torch.empty(H))
+        self.norm = RMSNormGated(cfg.d_ssm, group_size=cfg.d_ssm // G, eps=cfg.norm_epsilon)
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
+        self.reset_ssm_parameters()
+
+    # the depthwise causal conv as d_conv shifted multiply-adds, exactly Mamba-1's (it reads
+    # self.cfg.d_conv and self.conv1d, which this block has too)
+    causal_conv = mm.MambaMixer.causal_conv
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self):
+        """The official init: A uniform in A_init_range (A_log its log); Δ log-uniform in
+        [dt_min, dt_max], floored, stored through the inverse softplus in dt_bias; D = 1."""
+        cfg, H = self.cfg, self.cfg.nheads
+        self.A_log.copy_(torch.empty(H).uniform_(*cfg.A_init_range).log())
+        u = torch.rand(H)
+        dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+        dt = dt.clamp(min=cfg.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.D.fill_(1.0)
+
+    @property
+    def A(self):
+        """A = -exp(A_log) (H,), in fp32 even in a bf16 model: the decays exp(Δ·A) need it."""
+        return -torch.exp(_at_least_fp32(self.A_log))
+
+    def _delta(self, dt):
+        """dt (..., H) from in_proj -> Δ = softplus(dt + dt_bias) (..., H) in fp32, within dt_limit."""
+        delta = F.softplus(_at_least_fp32(dt) + _at_least_fp32(self.dt_bias))
+        low, high = self.cfg.dt_limit
+        if (low, high) != (0.0, float("inf")):
+            delta = delta.clamp(low, high)
+        return delta
+
+    def _split(self, zxbcdt):
+        return zxbcdt.split(self.split_sizes, dim=-1)
+
+    def _finish(self, y, z, z0, x0):
+        """y (..., d_ssm) -> out (..., d_model): gated norm, the optional gated MLP, out_proj."""
+        y = self.norm(y, z)  # (..., d_ssm)
+        if self.d_mlp:
+            y = torch.cat([F.silu(z0) * x0, y.to(x0.dtype)], dim=-1)  # (..., d_inner)
+        return self.out_proj(y.to(self.out_proj.weight.dtype))  # (..., D)
+
+    def forward(self, u, want_cache=False):
+        """u: (B, L, D) -> (B, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
+        cfg = self.cfg
+        b, L, _ = u.shape
+        H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+        z0, x0, z, xBC_in, dt = self._split(self.in_proj(u))  # z (B, L, d_ssm), xBC (B, L, conv_dim), dt (B, L, H)
+        xBC = F.silu(self.causal_conv(xBC_in))  # (B, L, conv_dim)
+        x, B, C = xBC.split([cfg.d_ssm, G * N, G * N], dim=-1)
+        y, h_last = ssd(x.unflatten(-1, (H, P)), self._delta(dt), self.A, B.unflatten(-1, (G, N)),
+                        C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, return_last_state=True,
+                        scan_backend=cfg.scan_backend)  # (B, L, H, P), (B, H, P, N)
+        out = self._finish(y.flatten(-2), z, z0, x0)  # (B, L, D)
+        if not want_cache:
+            return out
+        # the conv's rolling buffer: the last d_conv inputs, zeros before the first token; a
+        # fresh tensor, so the cache does not keep the prompt's activations alive
+        conv_state = F.pad(xBC_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]
+        conv_state = conv_state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
+        return out, (conv_state, h_last)  # (B, conv_dim, d_conv), (B, H, P, N)
+
+    def step(self, u, cache):
+        """One token (the official Mamba2.step without its kernels). u: (B, D);
+        cache = (conv_state, ssm_state), updated in place. -> (B, D)"""
+        cfg = self.cfg
+        H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+        conv_state, ssm_state = cache  # (B, conv_dim, d_conv), (B, H, P, N)
+        z0, x0, z, xBC, dt = self._split(self.in_proj(u))  # (B, ...) each
+        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+        conv_state[:, :, -1] = xBC
+        xBC = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (B, conv_dim) the conv at one position
+        if self.conv1d.bias is not None:
+            xBC = xBC + self.conv1d.bias
+        x, B, C = F.silu(xBC).split([cfg.d_ssm, G * N, G * N], dim=-1)
+        delta = self._delta(dt).to(ssm_state.dtype)  # (B, H)
+        x = x.unflatten(-1, (H, P)).to(ssm_state.dtype)  # (B, H, P)
+        B, C = (t.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=1).to(ssm_state.dtype)
+                for t in (B, C))  # (B, H, N) each: head k reads group k // (H/G)
+        decay = torch.exp(delta * self.A.to(ssm_state.dtype))  # (B, H)
+        ssm_state.copy_(decay[..., None, None] * ssm_state + (delta[..., None] * x)[..., None] * B[:, :, None, :])
+        y = (ssm_state @ C[..., None]).squeeze(-1) + self.D.to(x.dtype)[:, None] * x  # (B, H, P)
+        return self._finish(y.flatten(-2), z, z0, x0)  # (B, D)
+
+
+class Mamba2Block(nn.Module):
+    """Pre-norm residual block h = h + mixer(norm(h)), as mamba_minimal.Block; fp32 residual."""
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)
+        self.mixer = Mamba2Mixer(cfg)
+        self.residual_in_fp32 = cfg.residual_in_fp32
+
+    _residual = mm.Block._residual
+    forward = mm.Block.forward
+    step = mm.Block.step
+
+
+class Mamba2Backbone(nn.Module):
+    """embedding, layers, norm_f: the official MixerModel's names."""
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)  # no padding_idx
+        self.layers = nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon)
+
+
+class Mamba2LM(mm.MambaLM):
+    """The language model, module tree as the official MambaLMHeadModel with Mamba2 mixers:
+    backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{in_proj, conv1d,
+    dt_bias, A_log, D, norm, out_proj}, backbone.norm_f, lm_head.
+
+    From MambaLM, unchanged: forward (logits (B, L, padded_vocab)), prefill, generate,
+    generate_stream, optim_groups (no weight decay on A_log, D, dt_bias, norms, biases: every
+    1-D parameter) and _init_weights (mixer_seq_simple's: Linear biases zero, embedding
+    N(0, 0.02), out_proj kaiming-uniform divided by sqrt(n_layer), then the SSM parameters).
+    """
+
+    def __init__(self, cfg: Mamba2Config):
+        nn.Module.__init__(self)  # MambaLM.__init__ would build Mamba-1 blocks
+        self.cfg = cfg
+        self.backbone = Mamba2Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+        self._init_weights()
+
+    # --------------------------------------------------------------------------------------------
+    # 5. Recurrent inference
+    # --------------------------------------------------------------------------------------------
+    # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (B, conv_dim, d_conv)
+    # and the SSM state (B, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
+    # SSD over the prompt and returns both; each further token is one O(1) step.
+
+    def check_cache(self, cache, batch):
+        """Raise ValueError unless cache is what prefill returns for this model and batch size."""
+        cfg = self.cfg
+        if not isinstance(cache, (list, tuple)) or len(cache) != cfg.n_layer:
+            got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+            raise ValueError(f"cache must be a list of {cfg.n_layer} (conv_state, ssm_state) pairs, got {got}")
+        expected = ((batch, cfg.conv_dim, cfg.d_conv), (batch, cfg.nheads, cfg.headdim, cfg.d_state))
+        for i, layer_cache in enumerate(cache):
+            if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
+                raise ValueError(f"cache[{i}] must be a pair (conv_state, ssm_state)")
+            for name, t, shape in zip(("conv_state", "ssm_state"), layer_cache, expected):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"cache[{i}] {name} must have shape {shape}, got {got}")
+
+    @torch.no_grad()
+    def step(self, token_ids, cache):
+        """token_ids (B,) -> logits (B, V); advances the cache in place, O(1) in the position."""
+        self._check_ids(token_ids, rank=1)
+        self.check_cache(cache, token_ids.shape[0])
+        return super().step(token_ids, cache)
+
+    @classmethod
+    def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
+        return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Loading checkpoints
+# ------------------------------------------------------------------------------------------------
+# Official (state-spaces/mamba2-130m ...): config.json with d_model, d_intermediate, n_layer,
+# vocab_size, ssm_cfg = {"layer": "Mamba2", d_state, headdim, ngroups, chunk_size ...},
+# pad_vocab_size_multiple (16 for those models), tie_embeddings; pytorch_model.bin under our names.
+# transformers (Mamba2ForCausalLM): config.json with hidden_size, num_hidden_layers, num_heads,
+# head_dim, state_size, n_groups, ...; the same names except backbone.embeddings.*; often
+# model.safetensors without the tied lm_head.weight; the vocab as saved (never padded), and
+# tie_word_embeddings false unless it says otherwise.
+
+_HF_FIELDS = {  # transformers Mamba2Config name -> Mamba2Config name
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim",
+    "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_min": "dt_min",
+    "time_step_max": "dt_max", "time_step_floor": "dt_init_floor", "time_step_limit": "dt_limit",
+    "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
+    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
+}
+_OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
+                        "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
+# official Mamba2 options that only change how it runs or how it is initialized
+_OFFICIAL_IGNORED = {"use_mem_eff_path", "conv_init", "layer_idx", "process_group", "sequence_parallel"}
+# official Mamba2 options we support only at their default value
+_OFFICIAL_FIXED = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
+
+
+def _number(v):
+    """transformers 5 writes inf to config.json as {"__float__": "Infinity"}; json writes Infinity."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
+
+
+def config_from_dict(d, **overrides):
+    """A Mamba2Config from an official or a transformers config.json dict."""
+    if "hidden_size" in d or "num_hidden_layers" in d:
+        if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
+            raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
+                             f"Mamba-2; for Mamba-1 use mamba_minimal.MambaLM.from_pretrained")
+        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
+        kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
+        kwargs.setdefault("tie_embeddings", False)  # transformers' default
+        kwargs["pad_vocab_size_multiple"] = 1  # transformers never pads the vocab
+        if d.get("rms_norm") is False:
+            raise ValueError("rms_norm: false (no gated norm in the mixer) is not supported")
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
+        heads = d.get("num_heads")
+        width = d.get("expand", 2) * d.get("hidden_size", 0)
+        if heads is not None and heads * d["head_dim"] != width:
+            raise ValueError(f"num_heads * head_dim = {heads} * {d['head_dim']} must equal expand * "
+                             f"hidden_size = {width}")
+    else:
+        required = ["d_model", "n_layer", "vocab_size"]
+        ssm_cfg = dict(d.get("ssm_cfg") or {})
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba2":
+            raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
+                             f"only (for Mamba-1 use mamba_minimal.MambaLM.from_pretrained)")
+        if d.get("d_intermediate", 0):
+            raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) is not supported")
+        if d.get("attn_layer_idx"):
+            raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
+        if d.get("rms_norm") is False:
+            raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
+        for name, value in _OFFICIAL_FIXED.items():
+            if ssm_cfg.pop(name, value) != value:
+                raise ValueError(f"ssm_cfg.{name} = {not value} is not supported (only {value})")
+        unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED
+        if unknown:
+            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+        ours = {f.name for f in fields(Mamba2Config)}
+        kwargs = {k: v for k, v in d.items() if k in ours}
+        kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS})
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
+    for name in ("dt_limit", "A_init_range"):
+        if name in kwargs:
+            kwargs[name] = tuple(_number(v) for v in kwargs[name])
+    kwargs.update(overrides)
+    return Mamba2Config(**kwargs)
+
+
+def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+    folder = mm._resolve_folder(path_or_id)
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(cfg_path) as f:
+        cfg = config_from_dict(json.load(f), **overrides)
+    model = cls(cfg)
+    # the same key mapping and strict checks as Mamba-1: embeddings -> embedding, re-tied head
+    state_dict = mm.convert_state_dict(mm._load_state_dict_file(folder), model)
+    model.load_state_dict(state_dict, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
