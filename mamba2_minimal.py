@@ -300,20 +300,23 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     # 1. every chunk on its own, from a zero state
     y = _quadratic(xdt, a, Bc, Cc)  # (B, c, G, H/G, T, P)
 
-    # 2. every chunk's end state from a zero state, each input decayed to the chunk's end
-    decay_from_start = torch.exp(a.cumsum(-1))  # (B, c, G, H/G, T)  exp(a_1 + ... + a_t)
-    to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (B, c, G, H/G, T)  a_{t+1} + ... + a_T
-    states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (B, c, G, H/G, P, N)
+    # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
+    # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
+    if n_chunks > 1 or h0 is not None or return_last_state:
+        # 2. every chunk's end state from a zero state, each input decayed to the chunk's end
+        decay_from_start = torch.exp(a.cumsum(-1))  # (B, c, G, H/G, T)  exp(a_1 + ... + a_t)
+        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (B, c, G, H/G, T)  a_{t+1} + ... + a_T
+        states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (B, c, G, H/G, P, N)
 
-    # 3. across chunks: h_c = exp(a_1 + ... + a_T)·h_{c-1} + S_c, with pscan.scan over c
-    chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (B, c, G, H/G, P, N)
-    h_start = None if h0 is None else h0.to(x.dtype).reshape(b, G, H // G, P, N)  # (B, G, H/G, P, N)
-    h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (B, c, G, H/G, P, N)
-    first = torch.zeros_like(h[:, :1]) if h_start is None else h_start.unsqueeze(1)
-    h_in = torch.cat([first, h[:, :-1]], dim=1)  # (B, c, G, H/G, P, N)  the state entering each chunk
+        # 3. across chunks: h_c = exp(a_1 + ... + a_T)·h_{c-1} + S_c, with pscan.scan over c
+        chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (B, c, G, H/G, P, N)
+        h_start = None if h0 is None else h0.to(x.dtype).reshape(b, G, H // G, P, N)  # (B, G, H/G, P, N)
+        h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (B, c, G, H/G, P, N)
+        first = torch.zeros_like(h[:, :1]) if h_start is None else h_start.unsqueeze(1)
+        h_in = torch.cat([first, h[:, :-1]], dim=1)  # (B, c, G, H/G, P, N)  the state entering each chunk
 
-    # 4. what the carried-in state adds to each output, decayed to its position
-    y = y + (Cc @ h_in.transpose(-1, -2)) * decay_from_start[..., None]  # (B, c, G, H/G, T, P)
+        # 4. what the carried-in state adds to each output, decayed to its position
+        y = y + (Cc @ h_in.transpose(-1, -2)) * decay_from_start[..., None]  # (B, c, G, H/G, T, P)
 
     y = _time_major(y).reshape(b, n_chunks * T, H, P)[:, :L]  # (B, L, H, P)
     if D is not None:
@@ -322,8 +325,7 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     if not return_last_state:
         return y
     # h[:, -1] is a view that would keep every chunk's state alive: copy the one we return
-    h_last = h[:, -1].reshape(b, H, P, N).clone(memory_format=torch.contiguous_format)  # (B, H, P, N)
-    return y, h_last
+    return y, h[:, -1].reshape(b, H, P, N).clone(memory_format=torch.contiguous_format)  # (B, H, P, N)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -495,9 +497,10 @@ class Mamba2Mixer(nn.Module):
         z0, x0, z, xBC_in, dt = self._split(self.in_proj(u))  # z (B, L, d_ssm), xBC (B, L, conv_dim), dt (B, L, H)
         xBC = F.silu(self.causal_conv(xBC_in))  # (B, L, conv_dim)
         x, B, C = xBC.split([cfg.d_ssm, G * N, G * N], dim=-1)
-        y, h_last = ssd(x.unflatten(-1, (H, P)), self._delta(dt), self.A, B.unflatten(-1, (G, N)),
-                        C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, return_last_state=True,
-                        scan_backend=cfg.scan_backend)  # (B, L, H, P), (B, H, P, N)
+        y = ssd(x.unflatten(-1, (H, P)), self._delta(dt), self.A, B.unflatten(-1, (G, N)),
+                C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, return_last_state=want_cache,
+                scan_backend=cfg.scan_backend)  # (B, L, H, P); with want_cache also the state (B, H, P, N)
+        y, h_last = y if want_cache else (y, None)
         out = self._finish(y.flatten(-2), z, z0, x0)  # (B, L, D)
         if not want_cache:
             return out

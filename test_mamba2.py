@@ -125,6 +125,15 @@ def test_chunked_ssd_matches_the_loop_forward_final_state_and_every_gradient(L, 
                      names=["y", "h_last"] + ["grad " + n for n in NAMES])
 
 
+@pytest.mark.parametrize("L,chunk_size", [(5, 16), (16, 16), (17, 16), (40, 8)])
+def test_chunked_ssd_without_h0_or_final_state_matches_the_loop(L, chunk_size):
+    # one chunk and nothing carried in: steps 2-4 are skipped, as in training with L = chunk_size
+    x, dt, A, B, C, D, _ = ssd_inputs(L=L, G=2)
+    got = outputs_and_gradients(lambda *a: m2.ssd(*a[:5], chunk_size, a[5]), (x, dt, A, B, C, D))
+    expected = outputs_and_gradients(lambda *a: reference_ssd(*a)[0], (x, dt, A, B, C, D))
+    assert_all_close(got[0] + list(got[1]), expected[0] + list(expected[1]))
+
+
 @pytest.mark.parametrize("backend", SCAN_BACKENDS)
 def test_chunk_summaries_scan_through_every_pscan_backend(backend):
     x, dt, A, B, C, D, h0 = ssd_inputs(L=37, G=2)  # 10 chunks of 4: the scan across chunks matters
