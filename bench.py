@@ -456,10 +456,11 @@ def bench_mamba2_ssd(args, device):
           ["(B, L)", "path", "fwd ms", "speed-up", "fwd+bwd ms", "speed-up"], rows)
 
 
-MAMBA2_CPU_CANDIDATES = {  # d_model 128, n_layer 7: 0.78M-0.84M parameters, like Mamba-1's 0.83M
-    "mamba2 headdim 32, d_state 64": dict(headdim=32, d_state=64),
-    "mamba2 headdim 64, d_state 64": dict(headdim=64, d_state=64),
-    "mamba2 headdim 32, d_state 32": dict(headdim=32, d_state=32),
+MAMBA2_CPU_CANDIDATES = {  # 0.78M-0.87M parameters, like Mamba-1's 0.83M (d_model 128, 7 layers)
+    "mamba2 128 x 7, headdim 32, d_state 64": dict(d_model=128, n_layer=7, headdim=32, d_state=64),
+    "mamba2 128 x 7, headdim 64, d_state 64": dict(d_model=128, n_layer=7, headdim=64, d_state=64),
+    "mamba2 128 x 7, headdim 32, d_state 32": dict(d_model=128, n_layer=7, headdim=32, d_state=32),
+    "mamba2 176 x 4, headdim 32, d_state 64": dict(d_model=176, n_layer=4, headdim=32, d_state=64),
 }
 
 
@@ -473,9 +474,10 @@ def bench_mamba2_train(args, device):
     torch.manual_seed(0)
     models["mamba (default backend)"] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab))
     for name, kw in MAMBA2_CPU_CANDIDATES.items():
+        if device.type == "cuda":  # the CUDA default's width, 6 layers
+            kw = dict(kw, d_model=d_model, n_layer=6, headdim=64)
         torch.manual_seed(0)
-        models[name] = m2.Mamba2LM(m2.Mamba2Config(d_model=d_model, n_layer=7, vocab_size=vocab,
-                                                   chunk_size=block, **kw))
+        models[name] = m2.Mamba2LM(m2.Mamba2Config(vocab_size=vocab, chunk_size=block, **kw))
     torch.manual_seed(0)
     models["GPT (yardstick)"] = TinyGPT(vocab=vocab, d=d_model, block=block)
     steps = {}
@@ -495,8 +497,8 @@ def bench_mamba2_train(args, device):
     gpt = t["GPT (yardstick)"]
     rows = [[name, f"{sum(p.numel() for p in models[name].parameters()) / 1e6:.2f}M", f"{t[name]:.1f}",
              f"{t[name] / gpt:.2f}", f"{batch * block / t[name] * 1e3:,.0f}"] for name in models]
-    table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}, "
-          f"7 layers (GPT: 4), chunk_size = block",
+    table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}; Mamba-1 d_model "
+          f"{d_model}, 7 layers; GPT d_model {d_model}, 4 layers; Mamba-2 chunk_size = block",
           ["model", "params", "ms/iter", "/GPT", "tokens/s"], rows)
 
 

@@ -180,8 +180,8 @@ def segsum(a):
     and -inf above it, so that exp() of it is the decay mask L. No subtraction: see above."""
     T = a.shape[-1]
     below = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)  # s < t
-    a_ts = a.unsqueeze(-1).expand(*a.shape, T)  # (..., T, T): entry (k, s) = a_k
-    sums = a_ts.masked_fill(~below, 0).cumsum(-2)  # (..., T, T): Σ_{s<k≤t} a_k
+    a_ks = torch.where(below, a.unsqueeze(-1), 0)  # (..., T, T): entry (k, s) = a_k if s < k, else 0
+    sums = a_ks.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} a_k
     causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()  # s ≤ t
     return sums.masked_fill(~causal, -torch.inf)
 
