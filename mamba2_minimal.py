@@ -54,7 +54,7 @@ from mamba_minimal import RMSNorm, _at_least_fp32
 # ------------------------------------------------------------------------------------------------
 # Mamba-1's state is (ED, N) per token, with a decay exp(Δ·A) for each of the ED·N entries.
 # Mamba-2 groups the channels into heads of P channels and gives each head ONE scalar A_h (A is
-# a scalar times the identity, paper section 7) and one Δ per token. With the Euler step for B,
+# a scalar times the identity, paper section 5.1) and one Δ per token. With the Euler step for B,
 # as in Mamba-1, one head runs
 #
 #     h_t = exp(Δ_t·A_h)·h_{t-1} + Δ_t·x_t·B_tᵀ          h: (P, N), x_t: (P,), B_t: (N,)
@@ -141,7 +141,7 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 #     h_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·Δ_s·x_s·B_sᵀ          a_k = Δ_k·A_h (a log-decay, ≤ 0)
 #     y_t = h_t·C_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·(C_t·B_s)·Δ_s·x_s
 #
-# For a sequence of T steps that is one matrix product (paper section 3, "state space duality"):
+# For a sequence of T steps that is one matrix product (paper sections 3 to 5, "state space duality"):
 #
 #     Y = (L ∘ C·Bᵀ)·(Δ·X)        L[t, s] = exp(a_{s+1} + ... + a_t) for s ≤ t, 0 above
 #
@@ -157,14 +157,14 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 # like t·|a|, and a float with 24 bits (fp32) keeps only about 7 significant digits of it. For
 # a short segment deep in a long sequence the difference loses those digits (catastrophic
 # cancellation): in fp32, S ≈ -1000 has an ulp of 6e-5, so a one-step segment a_t comes out
-# as a_t ± 6e-5 however small a_t is; in bf16 (ulp 8 at 1000) the result is noise. Measured by
+# as a_t ± 6e-5 however small a_t is; in bf16 (ulp 4 at 1000) the result is noise. Measured by
 # test_mamba2.py on T = 2048 steps with a_t uniform in (-1, 0): the largest error of the decay
 # mask exp(segsum) is 5e-5 by differences against 3e-8 by segsum() in fp32, and 0.98 against
 # 2e-3 in bf16. Differences are safe when the sums stay small: short chunks (T ≤ 256) in fp32.
 # segsum() avoids the subtraction altogether: it copies a into a (T, T) matrix, keeps the entries
 # strictly below the diagonal, and takes the cumsum down each column, so entry (t, s) adds up
 # exactly a_{s+1} .. a_t, starting from zero (the official ssd_minimal.py's `segsum`). It costs
-# O(T²) additions, which the (T, T) mask needs anyway. test_mamba2.py measures both.
+# O(T²) additions, which the (T, T) mask needs anyway.
 
 def segsum_by_difference(a):
     """a (..., T) -> (..., T, T): S_t - S_s below the diagonal, -inf above. Cheap, cancels in long runs."""
@@ -254,12 +254,13 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 #      (h_{-1} = h0). There are only L/T steps, each a whole (H, P, N) state.
 #   4. each chunk's output from its carried-in state: y_t += exp(a_1 + ... + a_t)·C_t·h_{c-1}
 #
-# Only step 3 is a recurrence, and it is T times shorter than the sequence. The official code
-# runs it as a (L/T, L/T) quadratic form over chunks; pscan.scan does it in O(L/T).
+# Only step 3 is a recurrence, and it is T times shorter than the sequence. ssd_minimal.py
+# runs it as one more quadratic form, over chunks ((L/T)² work), the official Triton kernels as a
+# loop over chunks; pscan.scan does it in O(L/T) work, as a loop or as a tree (pscan.py).
 #
 # The decays within a chunk: step 4's prefix sums a_1 + ... + a_t are a plain cumsum, and step
 # 2's suffix sums a_{t+1} + ... + a_T a reversed cumsum, so neither subtracts one cumsum from
-# another (section 2). The official code takes step 2's as S_T - S_t, which is fine for T ≤ 256
+# another (section 2). ssd_minimal.py takes step 2's as S_T - S_t, which is fine for T ≤ 256
 # in fp32 too; the form here needs no such argument.
 #
 # Any L: the last chunk is padded with identity steps, Δ = 0, so exp(0·A) = 1 and Δ·x = 0: the
@@ -422,10 +423,10 @@ class RMSNormGated(RMSNorm):
 class Mamba2Mixer(nn.Module):
     """The Mamba-2 block (the official `Mamba2` module, named `mixer` in the tree).
 
-    u ─ in_proj ─┬─ z ─────────────────────────────────────────────────────────────┐
-                 ├─ x, B, C ─ causal conv1d ─ SiLU ─┬─ x ─┬─ SSD (+D·x) ─ y ─ gated RMSNorm ─ out_proj
-                 │                                  └ B, C┘      │             (y·SiLU(z))
-                 └─ dt ─ softplus(dt + dt_bias) ─ Δ ─────────────┘
+    u ─ in_proj ─┬─ z ───────────────────────────────────────────────────┐
+                 ├─ x, B, C ─ causal conv1d ─ SiLU ─ x, B, C ─┐              │
+                 └─ dt ─ softplus(dt + dt_bias) ─ Δ ──────────┴─ SSD (+D·x) ─ y·SiLU(z) ─ RMSNorm
+                                                                  per group ─ out_proj
 
     Unlike Mamba-1, every SSM input (x, B, C and Δ) comes straight from in_proj, in parallel,
     instead of B, C, Δ being computed from x (paper section 7.1): one projection, and the
