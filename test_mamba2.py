@@ -564,3 +564,12 @@ def test_logits_equal_transformers_mamba2_on_the_same_weights(tmp_path, G):
     with torch.no_grad():
         expected = hf(ids).logits
         torch.testing.assert_close(model(ids), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_mamba1_loader_refuses_a_mamba2_checkpoint(tmp_path):
+    import mamba_minimal as mm
+    cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8,
+                       pad_vocab_size_multiple=16)
+    folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, Mamba2LM(cfg).state_dict())
+    with pytest.raises(ValueError, match="Mamba2"):
+        mm.MambaLM.from_pretrained(folder)
