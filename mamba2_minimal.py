@@ -447,6 +447,8 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(H))
         self.A_log = nn.Parameter(torch.empty(H))  # A = -exp(A_log), one scalar per head
         self.D = nn.Parameter(torch.empty(H))
+        # eps: the official block fixes 1e-5, transformers takes layer_norm_epsilon; the same in
+        # every released checkpoint
         self.norm = RMSNormGated(cfg.d_ssm, group_size=cfg.d_ssm // G, eps=cfg.norm_epsilon)
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
         self.reset_ssm_parameters()
