@@ -486,10 +486,121 @@ def bench_generate(args, device):
           ["ms/token at 16", "ms/token at 4096", "ratio", "greedy tokens/s"], rows)
 
 
+# ------------------------------------------------------------------------------------------------
+# Mamba-2: SSD against Mamba-1's selective scan, and the training step
+# ------------------------------------------------------------------------------------------------
+
+def ssd_inputs(b, L, H, P, G, N, device="cpu", requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(b, L, H, P, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(b, L, H, generator=g) - 2)
+    A = -torch.arange(1, H + 1.0)
+    Bm, Cm = torch.randn(b, L, G, N, generator=g), torch.randn(b, L, G, N, generator=g)
+    return [t.to(device).requires_grad_(requires_grad) for t in (x, dt, A, Bm, Cm, torch.ones(H))]
+
+
+def bench_mamba2_ssd(args, device):
+    """Mamba-1's selective scan and block against Mamba-2's SSD and block at equal width:
+    d_model 128, so ED = 256 channels, as 8 heads of 32 for Mamba-2 (N = 16 vs 64)."""
+    import mamba2_minimal as m2
+    shapes = [(2, 64)] if args.quick else [(12, 64), (1, 4096)]
+    d_model = 128
+    rows = []
+    for b, L in shapes:
+        long = L >= 2048
+        sel = selective_inputs(b, L, 2 * d_model, 16, device=device, requires_grad=True)
+        ssd_in = ssd_inputs(b, L, 8, 32, 1, 64, device=device, requires_grad=True)
+        torch.manual_seed(0)
+        u = torch.randn(b, L, d_model, device=device, requires_grad=True)
+        mixer1 = mm.MambaMixer(mm.MambaConfig(d_model=d_model, n_layer=1, vocab_size=65)).to(device)
+        mixers2 = {T: m2.Mamba2Mixer(m2.Mamba2Config(d_model=d_model, n_layer=1, vocab_size=65, headdim=32,
+                                                     d_state=64, chunk_size=T)).to(device) for T in (64, 256)}
+        cases = {
+            "Mamba-1 scan, pscan (N 16)": lambda: mm.selective_scan(*sel, backend="pscan"),
+            "Mamba-1 scan, chunked eager": lambda: mm.selective_scan(*sel, backend="chunked"),
+            "Mamba-2 SSD, chunk 64 (N 64)": lambda: m2.ssd(*ssd_in[:5], 64, ssd_in[5]),
+            "Mamba-2 SSD, chunk 256": lambda: m2.ssd(*ssd_in[:5], 256, ssd_in[5]),
+            "Mamba-1 block (default)": lambda: mixer1(u),
+            "Mamba-2 block, chunk 64": lambda: mixers2[64](u),
+            "Mamba-2 block, chunk 256": lambda: mixers2[256](u),
+        }
+        if not long:  # at L = 64 a chunk of 256 is the chunk of 64
+            cases = {k: v for k, v in cases.items() if "256" not in k}
+        params = sel + ssd_in + [u] + list(mixer1.parameters()) + [p for m in mixers2.values() for p in m.parameters()]
+
+        def fwd(fn):
+            with torch.no_grad():
+                fn()
+
+        def fb(fn):
+            for p in params:
+                p.grad = None
+            fn().sum().backward()
+
+        reps = max(3, args.repeats // (2 if long else 1))
+        t_f = interleaved({k: (lambda fn=fn: fwd(fn)) for k, fn in cases.items()}, reps, device)
+        t_b = interleaved({k: (lambda fn=fn: fb(fn)) for k, fn in cases.items()}, reps, device)
+        base_f, base_b = t_f["Mamba-1 scan, pscan (N 16)"], t_b["Mamba-1 scan, pscan (N 16)"]
+        block_f, block_b = t_f["Mamba-1 block (default)"], t_b["Mamba-1 block (default)"]
+        for k in cases:
+            ref_f, ref_b = (block_f, block_b) if "block" in k else (base_f, base_b)
+            rows.append([f"({b}, {L})", k, f"{t_f[k]:.1f}", f"{ref_f / t_f[k]:.2f}",
+                         f"{t_b[k]:.1f}", f"{ref_b / t_b[k]:.2f}"])
+    table(f"Mamba-2 SSD vs Mamba-1's selective scan, d_model {d_model} (ED 256: Mamba-2 as 8 heads of 32), "
+          "eager: median ms, speed-up over the Mamba-1 pscan scan (scan rows) or the Mamba-1 block (block rows)",
+          ["(B, L)", "path", "fwd ms", "speed-up", "fwd+bwd ms", "speed-up"], rows)
+
+
+MAMBA2_CPU_CANDIDATES = {  # 0.78M-0.87M parameters, like Mamba-1's 0.83M (d_model 128, 7 layers)
+    "mamba2 128 x 7, headdim 32, d_state 64": dict(d_model=128, n_layer=7, headdim=32, d_state=64),
+    "mamba2 128 x 7, headdim 64, d_state 64": dict(d_model=128, n_layer=7, headdim=64, d_state=64),
+    "mamba2 128 x 7, headdim 32, d_state 32": dict(d_model=128, n_layer=7, headdim=32, d_state=32),
+    "mamba2 176 x 4, headdim 32, d_state 64": dict(d_model=176, n_layer=4, headdim=32, d_state=64),
+}
+
+
+def bench_mamba2_train(args, device):
+    """One training step of Mamba-2 LMs of Mamba-1's default size, Mamba-1, and the GPT yardstick."""
+    import mamba2_minimal as m2
+    d_model = 384 if device.type == "cuda" else 128
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    models = {}
+    torch.manual_seed(0)
+    models["mamba (default backend)"] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab))
+    for name, kw in MAMBA2_CPU_CANDIDATES.items():
+        if device.type == "cuda":  # the CUDA default's width, 6 layers
+            kw = dict(kw, d_model=d_model, n_layer=6, headdim=64)
+        torch.manual_seed(0)
+        models[name] = m2.Mamba2LM(m2.Mamba2Config(vocab_size=vocab, chunk_size=block, **kw))
+    torch.manual_seed(0)
+    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
+    steps = {}
+    for name, model in models.items():
+        model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model=model, opt=opt):
+            logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits[..., :vocab].flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        steps[name] = step
+    t = interleaved(steps, args.repeats, device)
+    gpt = t["GPT (yardstick)"]
+    rows = [[name, f"{sum(p.numel() for p in models[name].parameters()) / 1e6:.2f}M", f"{t[name]:.1f}",
+             f"{t[name] / gpt:.2f}", f"{batch * block / t[name] * 1e3:,.0f}"] for name in models]
+    table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}; Mamba-1 d_model "
+          f"{d_model}, 7 layers; GPT d_model {d_model}, 4 layers; Mamba-2 chunk_size = block",
+          ["model", "params", "ms/iter", "/GPT", "tokens/s"], rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, generate, all")
+                                           "train, generate, mamba2_ssd, mamba2_train, all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
@@ -502,7 +613,8 @@ def main():
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
-              "selective": bench_selective, "train": bench_train, "generate": bench_generate}
+              "selective": bench_selective, "train": bench_train, "generate": bench_generate,
+              "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train}
     whats = args.what or ["scan"]
     if whats == ["all"]:
         whats = list(tables)

@@ -1,0 +1,712 @@
+"""
+mamba2_minimal.py: Mamba-2 (Dao & Gu, 2024, arXiv 2405.21060) in plain PyTorch, compatible with
+the official checkpoints (state-spaces/mamba2-*) and with transformers' Mamba2ForCausalLM.
+
+Mamba-1 (mamba_minimal.py) runs its recurrence one step at a time, or as a parallel scan over
+tensors of shape (B, L, ED, N). Mamba-2 restricts A to a scalar per head. That one restriction
+makes the recurrence equal to a matrix product, "attention" with a decay mask instead of a
+softmax (state space duality, SSD), so most of the work becomes matmuls, which every device does
+best; a scan is left only across chunks of the sequence. Sections, in the order of the idea:
+
+    1. The SSD recurrence      ssd_sequential(): the loop over t, the oracle for everything below
+    2. The quadratic form      segsum(), ssd_quadratic(): the same map as one masked matrix product
+    3. Chunked SSD             ssd(): matmuls inside chunks, pscan.scan across chunks
+    4. The model               Mamba2Config, the gated RMSNorm, the mixer, the block, the LM
+    5. Recurrent inference     prefill, an O(1) step per token, generate (Mamba-1's sampling)
+    6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
+
+Glossary (code name: paper symbol, meaning). Shape comments use the capital letters.
+
+    b        batch size                                   (B in the shape comments)
+    L        sequence length
+    H        number of heads, nheads = d_ssm / headdim
+    P        head dimension, headdim (a head's channels share one A and one Δ)
+    G, N     ngroups and d_state: B and C are (B, L, G, N), shared by the H/G heads of a group
+    x        the input of the SSM, per head                    (B, L, H, P)
+    dt       Δ, the step size, one per token and head          (B, L, H)
+    A        a negative scalar per head                        (H,)
+    B, C     input and output projections of the state         (B, L, G, N)
+    D        the skip y += D·x, per head                       (H,)
+    h        the state of one head, a P x N matrix             (B, H, P, N)
+    T        chunk_size, the length of one chunk in ssd()
+
+Read mamba_minimal.py and pscan.py first: this file reuses their RMSNorm, causal conv, LM
+wrapper, sampling and checkpoint helpers, and pscan.scan for the recurrence across chunks.
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mamba_minimal as mm
+import pscan
+from mamba_minimal import RMSNorm, _at_least_fp32
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. The SSD recurrence
+# ------------------------------------------------------------------------------------------------
+# Mamba-1's state is (ED, N) per token, with a decay exp(Δ·A) for each of the ED·N entries.
+# Mamba-2 groups the channels into heads of P channels and gives each head ONE scalar A_h (A is
+# a scalar times the identity, paper section 5.1) and one Δ per token. With the Euler step for B,
+# as in Mamba-1, one head runs
+#
+#     h_t = exp(Δ_t·A_h)·h_{t-1} + Δ_t·x_t·B_tᵀ          h: (P, N), x_t: (P,), B_t: (N,)
+#     y_t = h_t·C_t + D_h·x_t                             y_t: (P,)
+#
+# The decay is now a single number per head and step: that is what section 2 exploits. B and C
+# are computed per token from the input, and G groups of them are shared by the H/G heads of
+# each group (head k uses group k // (H/G)), like the key/value groups of grouped-query attention.
+
+def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
+    """Raise ValueError naming what was expected."""
+    named = {"x": x, "dt": dt, "A": A, "B": B, "C": C}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape (B, L, H, P), got {tuple(x.shape)}")
+    b, L, H, P = x.shape
+    if L == 0:
+        raise ValueError(f"the sequence length must be at least 1, got x of shape {tuple(x.shape)}")
+    if B.dim() != 4 or tuple(B.shape[:2]) != (b, L):
+        raise ValueError(f"B must have shape (B, L, G, N) = ({b}, {L}, G, N), got {tuple(B.shape)}")
+    G, N = B.shape[2:]
+    if H % G != 0:
+        raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    expected = {"dt": (b, L, H), "A": (H,), "C": (b, L, G, N), "D": (H,), "h0": (b, H, P, N)}
+    for name, t in (("dt", dt), ("A", A), ("C", C), ("D", D), ("h0", h0)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != expected[name]):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape {expected[name]}, got {got}")
+    for name, t in list(named.items()) + [("D", D), ("h0", h0)]:
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on {x.device} like x, got {t.device}")
+
+
+def _in_compute_dtype(*tensors):
+    """Cast to one dtype, at least fp32 (the state sums many small terms): fp64 if any is fp64."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return [t.to(dtype) for t in tensors]
+
+
+def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
+    """The SSD recurrence as a loop over t: slow, obviously right, the oracle of the tests.
+
+    Args:
+        x:  (B, L, H, P)   input, per head
+        dt: (B, L, H)      step size Δ (after softplus), positive
+        A:  (H,)           negative scalar per head
+        B, C: (B, L, G, N) input and output projections, G groups
+        D:  (H,) or None   skip connection
+        h0: (B, H, P, N) or None for zeros
+    Returns:
+        y: (B, L, H, P) in x's dtype; with return_last_state also the final state (B, H, P, N)
+    """
+    _check_ssd_inputs(x, dt, A, B, C, D, h0)
+    out_dtype = x.dtype
+    x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
+    H, G = x.shape[2], B.shape[2]
+    B, C = (t.repeat_interleave(H // G, dim=2) for t in (B, C))  # (B, L, H, N): head k reads group k // (H/G)
+    h = x.new_zeros(*x.shape[:1], *x.shape[2:], B.shape[-1]) if h0 is None else h0.to(x.dtype)  # (B, H, P, N)
+    ys = []
+    # unbind, not x[:, t]: see pscan.py section 2 (indexing makes the backward quadratic in L)
+    for x_t, dt_t, B_t, C_t in zip(x.unbind(1), dt.unbind(1), B.unbind(1), C.unbind(1)):
+        decay = torch.exp(dt_t * A)  # (B, H)
+        h = decay[..., None, None] * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]  # (B, H, P, N)
+        ys.append((h @ C_t[..., None]).squeeze(-1))  # (B, H, P)  y_t = h_t·C_t
+    y = torch.stack(ys, dim=1)  # (B, L, H, P)
+    if D is not None:
+        y = y + D.to(x.dtype)[:, None] * x
+    return (y.to(out_dtype), h) if return_last_state else y.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. The quadratic (dual) form
+# ------------------------------------------------------------------------------------------------
+# Unroll the recurrence from h_{-1} = 0: each input s ≤ t reaches step t decayed by every step
+# in between,
+#
+#     h_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·Δ_s·x_s·B_sᵀ          a_k = Δ_k·A_h (a log-decay, ≤ 0)
+#     y_t = h_t·C_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·(C_t·B_s)·Δ_s·x_s
+#
+# For a sequence of T steps that is one matrix product (paper sections 3 to 5, "state space duality"):
+#
+#     Y = (L ∘ C·Bᵀ)·(Δ·X)        L[t, s] = exp(a_{s+1} + ... + a_t) for s ≤ t, 0 above
+#
+# This is causal attention with queries C, keys B and values Δ·X, where the softmax is replaced
+# by the decay mask L (1-semiseparable: every block below the diagonal has rank 1). It costs
+# O(T²) instead of the loop's O(T), but it is three matmuls with no step-by-step dependency.
+# Because A is one scalar per head, L is one (T, T) matrix per head; with Mamba-1's (ED, N)
+# decays it would be one per channel and state entry, and there would be no matmul to win.
+#
+# The segment sums a_{s+1} + ... + a_t. With the prefix sums S_t = a_0 + ... + a_t they are
+# S_t - S_s: one cumsum and one subtraction (segsum_by_difference below). Exact in exact
+# arithmetic, but it subtracts two large numbers to get a small one: after t steps |S_t| grows
+# like t·|a|, and a float with 24 bits (fp32) keeps only about 7 significant digits of it. For
+# a short segment deep in a long sequence the difference loses those digits (catastrophic
+# cancellation): in fp32, S ≈ -1000 has an ulp of 6e-5, so a one-step segment a_t comes out
+# as a_t ± 6e-5 however small a_t is; in bf16 (ulp 4 at 1000) the result is noise. Measured by
+# test_mamba2.py on T = 2048 steps with a_t uniform in (-1, 0): the largest error of the decay
+# mask exp(segsum) is 5e-5 by differences against 3e-8 by segsum() in fp32, and 0.98 against
+# 2e-3 in bf16. Differences are safe when the sums stay small: short chunks (T ≤ 256) in fp32.
+# segsum() avoids the subtraction altogether: it copies a into a (T, T) matrix, keeps the entries
+# strictly below the diagonal, and takes the cumsum down each column, so entry (t, s) adds up
+# exactly a_{s+1} .. a_t, starting from zero (the official ssd_minimal.py's `segsum`). It costs
+# O(T²) additions, which the (T, T) mask needs anyway.
+
+def segsum_by_difference(a):
+    """a (..., T) -> (..., T, T): S_t - S_s below the diagonal, -inf above. Cheap, cancels in long runs."""
+    T = a.shape[-1]
+    S = a.cumsum(-1)  # (..., T)
+    diff = S[..., :, None] - S[..., None, :]  # (..., T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()
+    return diff.masked_fill(~causal, -torch.inf)
+
+
+def segsum(a):
+    """a (..., T) -> (..., T, T) with [t, s] = a_{s+1} + ... + a_t for s ≤ t (0 on the diagonal)
+    and -inf above it, so that exp() of it is the decay mask L. No subtraction: see above."""
+    T = a.shape[-1]
+    below = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)  # s < t
+    a_ks = torch.where(below, a.unsqueeze(-1), 0)  # (..., T, T): entry (k, s) = a_k if s < k, else 0
+    sums = a_ks.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} a_k
+    causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()  # s ≤ t
+    return sums.masked_fill(~causal, -torch.inf)
+
+
+# The same three matmuls serve section 3, where they run on every chunk at once. To make them
+# batched matmuls we lay the heads out group-major: (..., G, H/G, T, P) for x and Δ, and
+# (..., G, 1, T, N) for B and C, so a group's B and C broadcast over its heads without a copy.
+
+def _head_major(t, G):
+    """(..., T, H, P) -> (..., G, H/G, T, P): heads of a group side by side, time next to last."""
+    *lead, T, H, P = t.shape
+    return t.reshape(*lead, T, G, H // G, P).movedim(-4, -2)
+
+
+def _head_major_scalar(t, G):
+    """(..., T, H) -> (..., G, H/G, T)."""
+    *lead, T, H = t.shape
+    return t.reshape(*lead, T, G, H // G).movedim(-3, -1)
+
+
+def _group_major(t):
+    """(..., T, G, N) -> (..., G, 1, T, N): one matrix per group, broadcast over its heads."""
+    return t.movedim(-3, -2).unsqueeze(-3)
+
+
+def _time_major(y):
+    """(..., G, H/G, T, P) -> (..., T, H, P), the inverse of _head_major."""
+    y = y.movedim(-2, -4)  # (..., T, G, H/G, P)
+    return y.reshape(*y.shape[:-3], y.shape[-3] * y.shape[-2], y.shape[-1])
+
+
+def _quadratic(xdt, a, B, C):
+    """Y = (L ∘ C·Bᵀ)·(Δ·X) from a zero state, batched over any leading dims.
+
+    xdt: (..., G, H/G, T, P) = Δ·x;  a: (..., G, H/G, T) = Δ·A;  B, C: (..., G, 1, T, N)
+    -> y: (..., G, H/G, T, P)
+    """
+    decay = torch.exp(segsum(a))  # (..., G, H/G, T, T)  the mask L, one per head
+    scores = C @ B.transpose(-1, -2)  # (..., G, 1, T, T)   C_t·B_s, one per group
+    return (decay * scores) @ xdt  # (..., G, H/G, T, P)
+
+
+def ssd_quadratic(x, dt, A, B, C, D=None):
+    """The whole sequence as one masked matrix product (section 2); arguments as ssd_sequential,
+    from a zero state. O(L²) time and memory: for teaching and testing, and inside ssd()'s chunks."""
+    _check_ssd_inputs(x, dt, A, B, C, D, None)
+    out_dtype = x.dtype
+    x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
+    G = B.shape[2]
+    xdt = _head_major(x * dt[..., None], G)  # (B, G, H/G, L, P)
+    a = _head_major_scalar(dt * A, G)  # (B, G, H/G, L)
+    y = _time_major(_quadratic(xdt, a, _group_major(B), _group_major(C)))  # (B, L, H, P)
+    if D is not None:
+        y = y + D.to(x.dtype)[:, None] * x
+    return y.to(out_dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Chunked SSD
+# ------------------------------------------------------------------------------------------------
+# The loop is O(L) but sequential; the quadratic form is parallel but O(L²). Chunked SSD takes
+# the best of both (paper section 6, the official ssd_minimal.py's `ssd_minimal_discrete`): cut
+# the sequence into chunks of T steps and split each output into what its own chunk contributes
+# and what arrives through the state carried in from earlier chunks.
+#
+#   1. inside each chunk, the quadratic form from a zero state: (T, T) matmuls, all chunks at once
+#   2. each chunk's end state from a zero start: S_c = Σ_s exp(a_{s+1} + ... + a_T)·Δ_s·x_s·B_sᵀ
+#   3. across chunks, the state entering chunk c+1 is h_c = exp(a_1 + ... + a_T)·h_{c-1} + S_c:
+#      the first-order recurrence of pscan.py over the chunk index, run with pscan.scan
+#      (h_{-1} = h0). There are only L/T steps, each a whole (H, P, N) state.
+#   4. each chunk's output from its carried-in state: y_t += exp(a_1 + ... + a_t)·C_t·h_{c-1}
+#
+# Only step 3 is a recurrence, and it is T times shorter than the sequence. ssd_minimal.py
+# runs it as one more quadratic form, over chunks ((L/T)² work), the official Triton kernels as a
+# loop over chunks; pscan.scan does it in O(L/T) work, as a loop or as a tree (pscan.py).
+#
+# The decays within a chunk: step 4's prefix sums a_1 + ... + a_t are a plain cumsum, and step
+# 2's suffix sums a_{t+1} + ... + a_T a reversed cumsum, so neither subtracts one cumsum from
+# another (section 2). ssd_minimal.py takes step 2's as S_T - S_t, which is fine for T ≤ 256
+# in fp32 too; the form here needs no such argument.
+#
+# Any L: the last chunk is padded with identity steps, Δ = 0, so exp(0·A) = 1 and Δ·x = 0: the
+# state passes through unchanged (the final state is exact) and the padded outputs are dropped.
+
+def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, scan_backend="auto"):
+    """Chunked SSD: y = SSD(Δ, A, B, C)(x) + D·x.
+
+    Args:
+        x:  (B, L, H, P)   input, per head
+        dt: (B, L, H)      step size Δ (after softplus), positive
+        A:  (H,)           negative scalar per head
+        B, C: (B, L, G, N) input and output projections, G groups (H a multiple of G)
+        chunk_size:        T, the length of a chunk; any L works
+        D:  (H,) or None   skip connection
+        h0: (B, H, P, N) or None for zeros
+        scan_backend:      pscan.scan's backend for the recurrence across chunks
+    Returns:
+        y: (B, L, H, P) in x's dtype; with return_last_state also the final state (B, H, P, N),
+        computed in fp32 (fp64 for fp64 inputs), a tensor of its own (not a view of a larger one)
+    """
+    _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size)
+    if scan_backend not in pscan.BACKENDS:
+        raise ValueError(f"scan_backend must be one of {pscan.BACKENDS}, got {scan_backend!r}")
+    out_dtype = x.dtype
+    x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
+    b, L, H, P = x.shape
+    G, N, T = B.shape[2], B.shape[3], chunk_size
+    pad = -L % T
+    if pad:  # identity steps: Δ = 0 (and x, B, C = 0, so nothing is read or written)
+        x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    n_chunks = (L + pad) // T
+    xdt = _head_major((x * dt[..., None]).reshape(b, n_chunks, T, H, P), G)  # (B, c, G, H/G, T, P)
+    a = _head_major_scalar((dt * A).reshape(b, n_chunks, T, H), G)  # (B, c, G, H/G, T)  log-decays
+    Bc = _group_major(B.reshape(b, n_chunks, T, G, N))  # (B, c, G, 1, T, N)
+    Cc = _group_major(C.reshape(b, n_chunks, T, G, N))  # (B, c, G, 1, T, N)
+
+    # 1. every chunk on its own, from a zero state
+    y = _quadratic(xdt, a, Bc, Cc)  # (B, c, G, H/G, T, P)
+
+    # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
+    # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
+    if n_chunks > 1 or h0 is not None or return_last_state:
+        # 2. every chunk's end state from a zero state, each input decayed to the chunk's end
+        decay_from_start = torch.exp(a.cumsum(-1))  # (B, c, G, H/G, T)  exp(a_1 + ... + a_t)
+        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (B, c, G, H/G, T)  a_{t+1} + ... + a_T
+        states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (B, c, G, H/G, P, N)
+
+        # 3. across chunks: h_c = exp(a_1 + ... + a_T)·h_{c-1} + S_c, with pscan.scan over c
+        chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (B, c, G, H/G, P, N)
+        h_start = None if h0 is None else h0.to(x.dtype).reshape(b, G, H // G, P, N)  # (B, G, H/G, P, N)
+        h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (B, c, G, H/G, P, N)
+        first = torch.zeros_like(h[:, :1]) if h_start is None else h_start.unsqueeze(1)
+        h_in = torch.cat([first, h[:, :-1]], dim=1)  # (B, c, G, H/G, P, N)  the state entering each chunk
+
+        # 4. what the carried-in state adds to each output, decayed to its position
+        y = y + (Cc @ h_in.transpose(-1, -2)) * decay_from_start[..., None]  # (B, c, G, H/G, T, P)
+
+    y = _time_major(y).reshape(b, n_chunks * T, H, P)[:, :L]  # (B, L, H, P)
+    if D is not None:
+        y = y + D.to(x.dtype)[:, None] * x[:, :L]
+    y = y.to(out_dtype)
+    if not return_last_state:
+        return y
+    # h[:, -1] is a view that would keep every chunk's state alive: copy the one we return
+    return y, h[:, -1].reshape(b, H, P, N).clone(memory_format=torch.contiguous_format)  # (B, H, P, N)
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. The model
+# ------------------------------------------------------------------------------------------------
+# The official MambaLMHeadModel is one class for both generations: ssm_cfg["layer"] picks the
+# mixer, and everything around it (embedding, pre-norm residual blocks with an fp32 residual
+# stream, norm_f, tied head, the init of mixer_seq_simple's `_init_weights`) is shared. So is it
+# here: Mamba2LM is mamba_minimal.MambaLM with Mamba-2 mixers in its blocks.
+
+@dataclass
+class Mamba2Config:
+    """Field names follow the official Mamba2 block and MambaConfig (config_mamba.py)."""
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    d_state: int = 128
+    d_conv: int = 4
+    expand: int = 2
+    headdim: int = 64
+    d_ssm: Optional[int] = None  # channels that go through the SSM; None: all d_inner (the rest: a gated MLP)
+    ngroups: int = 1
+    A_init_range: tuple = (1, 16)
+    dt_min: float = 1e-3
+    dt_max: float = 0.1
+    dt_init_floor: float = 1e-4
+    dt_limit: tuple = (0.0, float("inf"))
+    bias: bool = False
+    conv_bias: bool = True
+    chunk_size: int = 256
+    norm_epsilon: float = 1e-5
+    pad_vocab_size_multiple: int = 8
+    tie_embeddings: bool = True
+    residual_in_fp32: bool = True
+    # how to run the recurrence across chunks (not part of a checkpoint's identity)
+    scan_backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim",
+                     "ngroups", "chunk_size", "pad_vocab_size_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Mamba2Config.{name} must be a positive integer, got {value!r}")
+        if self.d_ssm is None:
+            self.d_ssm = self.d_inner
+        if not 0 < self.d_ssm <= self.d_inner or self.d_ssm % self.headdim:
+            raise ValueError(f"d_ssm = {self.d_ssm} must be a multiple of headdim = {self.headdim} "
+                             f"and at most d_inner = expand * d_model = {self.d_inner}")
+        if self.nheads % self.ngroups:
+            raise ValueError(f"the number of heads d_ssm / headdim = {self.nheads} must be a multiple "
+                             f"of ngroups = {self.ngroups}")
+        self.A_init_range, self.dt_limit = tuple(self.A_init_range), tuple(self.dt_limit)
+        if not 0 < self.A_init_range[0] <= self.A_init_range[1]:
+            raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {self.A_init_range}")
+        if not 0 < self.dt_min <= self.dt_max:
+            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
+        if self.scan_backend not in pscan.BACKENDS:
+            raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
+
+    @property
+    def d_inner(self):
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self):
+        return self.d_ssm // self.headdim
+
+    @property
+    def conv_dim(self):  # the conv runs over x, B and C together
+        return self.d_ssm + 2 * self.ngroups * self.d_state
+
+    @property
+    def padded_vocab_size(self):
+        m = self.pad_vocab_size_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+
+class RMSNormGated(RMSNorm):
+    """The official RMSNormGated with norm_before_gate=False: y·SiLU(z) first, then an RMSNorm
+    over each group of group_size channels (d_ssm / ngroups: one group per B/C group, so the
+    norm does not mix what different groups computed), in fp32."""
+
+    def __init__(self, d, group_size, eps=1e-5):
+        super().__init__(d, eps)
+        self.group_size = group_size
+
+    def forward(self, y, z):
+        gated = _at_least_fp32(y) * F.silu(_at_least_fp32(z))  # (..., d)
+        groups = gated.unflatten(-1, (-1, self.group_size))  # (..., d / group_size, group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return groups.flatten(-2).to(self.weight.dtype) * self.weight  # (..., d)
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 block (the official `Mamba2` module, named `mixer` in the tree).
+
+    u ─ in_proj ─┬─ z ───────────────────────────────────────────────────┐
+                 ├─ x, B, C ─ causal conv1d ─ SiLU ─ x, B, C ─┐              │
+                 └─ dt ─ softplus(dt + dt_bias) ─ Δ ──────────┴─ SSD (+D·x) ─ y·SiLU(z) ─ RMSNorm
+                                                                  per group ─ out_proj
+
+    Unlike Mamba-1, every SSM input (x, B, C and Δ) comes straight from in_proj, in parallel,
+    instead of B, C, Δ being computed from x (paper section 7.1): one projection, and the
+    norm before out_proj (absent in Mamba-1) keeps training stable at scale.
+    """
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.cfg = cfg
+        H, G, N = cfg.nheads, cfg.ngroups, cfg.d_state
+        self.d_mlp = cfg.d_inner - cfg.d_ssm  # 0 unless d_ssm < d_inner
+        # in_proj's output, in the official order: [z0, x0 (the gated MLP, d_mlp each), z (d_ssm),
+        # xBC (d_ssm + 2·G·N), dt (H)]
+        self.split_sizes = [self.d_mlp, self.d_mlp, cfg.d_ssm, cfg.conv_dim, H]
+        self.in_proj = nn.Linear(cfg.d_model, sum(self.split_sizes), bias=cfg.bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim,
+                                padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.A_log = nn.Parameter(torch.empty(H))  # A = -exp(A_log), one scalar per head
+        self.D = nn.Parameter(torch.empty(H))
+        # eps: the official block fixes 1e-5, transformers takes layer_norm_epsilon; the same in
+        # every released checkpoint
+        self.norm = RMSNormGated(cfg.d_ssm, group_size=cfg.d_ssm // G, eps=cfg.norm_epsilon)
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
+        self.reset_ssm_parameters()
+
+    # the depthwise causal conv as d_conv shifted multiply-adds, exactly Mamba-1's (it reads
+    # self.cfg.d_conv and self.conv1d, which this block has too)
+    causal_conv = mm.MambaMixer.causal_conv
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self):
+        """The official init: A uniform in A_init_range (A_log its log); Δ log-uniform in
+        [dt_min, dt_max], floored, stored through the inverse softplus in dt_bias; D = 1."""
+        cfg, H = self.cfg, self.cfg.nheads
+        self.A_log.copy_(torch.empty(H).uniform_(*cfg.A_init_range).log())
+        u = torch.rand(H)
+        dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+        dt = dt.clamp(min=cfg.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.D.fill_(1.0)
+
+    @property
+    def A(self):
+        """A = -exp(A_log) (H,), in fp32 even in a bf16 model: the decays exp(Δ·A) need it."""
+        return -torch.exp(_at_least_fp32(self.A_log))
+
+    def _delta(self, dt):
+        """dt (..., H) from in_proj -> Δ = softplus(dt + dt_bias) (..., H) in fp32, within dt_limit."""
+        delta = F.softplus(_at_least_fp32(dt) + _at_least_fp32(self.dt_bias))
+        low, high = self.cfg.dt_limit
+        if (low, high) != (0.0, float("inf")):
+            delta = delta.clamp(low, high)
+        return delta
+
+    def _split(self, zxbcdt):
+        return zxbcdt.split(self.split_sizes, dim=-1)
+
+    def _finish(self, y, z, z0, x0):
+        """y (..., d_ssm) -> out (..., d_model): gated norm, the optional gated MLP, out_proj."""
+        y = self.norm(y, z)  # (..., d_ssm)
+        if self.d_mlp:
+            y = torch.cat([F.silu(z0) * x0, y.to(x0.dtype)], dim=-1)  # (..., d_inner)
+        return self.out_proj(y.to(self.out_proj.weight.dtype))  # (..., D)
+
+    def forward(self, u, want_cache=False):
+        """u: (B, L, D) -> (B, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
+        cfg = self.cfg
+        b, L, _ = u.shape
+        H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+        z0, x0, z, xBC_in, dt = self._split(self.in_proj(u))  # z (B, L, d_ssm), xBC (B, L, conv_dim), dt (B, L, H)
+        xBC = F.silu(self.causal_conv(xBC_in))  # (B, L, conv_dim)
+        x, B, C = xBC.split([cfg.d_ssm, G * N, G * N], dim=-1)
+        y = ssd(x.unflatten(-1, (H, P)), self._delta(dt), self.A, B.unflatten(-1, (G, N)),
+                C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, return_last_state=want_cache,
+                scan_backend=cfg.scan_backend)  # (B, L, H, P); with want_cache also the state (B, H, P, N)
+        y, h_last = y if want_cache else (y, None)
+        out = self._finish(y.flatten(-2), z, z0, x0)  # (B, L, D)
+        if not want_cache:
+            return out
+        # the conv's rolling buffer: the last d_conv inputs, zeros before the first token; a
+        # fresh tensor, so the cache does not keep the prompt's activations alive
+        conv_state = F.pad(xBC_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]
+        conv_state = conv_state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
+        return out, (conv_state, h_last)  # (B, conv_dim, d_conv), (B, H, P, N)
+
+    def step(self, u, cache):
+        """One token (the official Mamba2.step without its kernels). u: (B, D);
+        cache = (conv_state, ssm_state), updated in place. -> (B, D)"""
+        cfg = self.cfg
+        H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+        conv_state, ssm_state = cache  # (B, conv_dim, d_conv), (B, H, P, N)
+        z0, x0, z, xBC, dt = self._split(self.in_proj(u))  # (B, ...) each
+        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+        conv_state[:, :, -1] = xBC
+        xBC = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (B, conv_dim) the conv at one position
+        if self.conv1d.bias is not None:
+            xBC = xBC + self.conv1d.bias
+        x, B, C = F.silu(xBC).split([cfg.d_ssm, G * N, G * N], dim=-1)
+        delta = self._delta(dt).to(ssm_state.dtype)  # (B, H)
+        x = x.unflatten(-1, (H, P)).to(ssm_state.dtype)  # (B, H, P)
+        B, C = (t.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=1).to(ssm_state.dtype)
+                for t in (B, C))  # (B, H, N) each: head k reads group k // (H/G)
+        decay = torch.exp(delta * self.A.to(ssm_state.dtype))  # (B, H)
+        ssm_state.copy_(decay[..., None, None] * ssm_state + (delta[..., None] * x)[..., None] * B[:, :, None, :])
+        y = (ssm_state @ C[..., None]).squeeze(-1) + self.D.to(x.dtype)[:, None] * x  # (B, H, P)
+        return self._finish(y.flatten(-2), z, z0, x0)  # (B, D)
+
+
+class Mamba2Block(nn.Module):
+    """Pre-norm residual block h = h + mixer(norm(h)), as mamba_minimal.Block; fp32 residual."""
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)
+        self.mixer = Mamba2Mixer(cfg)
+        self.residual_in_fp32 = cfg.residual_in_fp32
+
+    _residual = mm.Block._residual
+    forward = mm.Block.forward
+    step = mm.Block.step
+
+
+class Mamba2Backbone(nn.Module):
+    """embedding, layers, norm_f: the official MixerModel's names."""
+
+    def __init__(self, cfg: Mamba2Config):
+        super().__init__()
+        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)  # no padding_idx
+        self.layers = nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.n_layer))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon)
+
+
+class Mamba2LM(mm.MambaLM):
+    """The language model, module tree as the official MambaLMHeadModel with Mamba2 mixers:
+    backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{in_proj, conv1d,
+    dt_bias, A_log, D, norm, out_proj}, backbone.norm_f, lm_head.
+
+    From MambaLM, unchanged: forward (logits (B, L, padded_vocab)), prefill, generate,
+    generate_stream, optim_groups (no weight decay on A_log, D, dt_bias, norms, biases: every
+    1-D parameter) and _init_weights (mixer_seq_simple's: Linear biases zero, embedding
+    N(0, 0.02), out_proj kaiming-uniform divided by sqrt(n_layer), then the SSM parameters).
+    """
+
+    def __init__(self, cfg: Mamba2Config):
+        nn.Module.__init__(self)  # MambaLM.__init__ would build Mamba-1 blocks
+        self.cfg = cfg
+        self.backbone = Mamba2Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embedding.weight
+        self._init_weights()
+
+    # --------------------------------------------------------------------------------------------
+    # 5. Recurrent inference
+    # --------------------------------------------------------------------------------------------
+    # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (B, conv_dim, d_conv)
+    # and the SSM state (B, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
+    # SSD over the prompt and returns both; each further token is one O(1) step.
+
+    def check_cache(self, cache, batch):
+        """Raise ValueError unless cache is what prefill returns for this model and batch size."""
+        cfg = self.cfg
+        if not isinstance(cache, (list, tuple)) or len(cache) != cfg.n_layer:
+            got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+            raise ValueError(f"cache must be a list of {cfg.n_layer} (conv_state, ssm_state) pairs, got {got}")
+        expected = ((batch, cfg.conv_dim, cfg.d_conv), (batch, cfg.nheads, cfg.headdim, cfg.d_state))
+        for i, layer_cache in enumerate(cache):
+            if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
+                raise ValueError(f"cache[{i}] must be a pair (conv_state, ssm_state)")
+            for name, t, shape in zip(("conv_state", "ssm_state"), layer_cache, expected):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"cache[{i}] {name} must have shape {shape}, got {got}")
+
+    @torch.no_grad()
+    def step(self, token_ids, cache):
+        """token_ids (B,) -> logits (B, V); advances the cache in place, O(1) in the position."""
+        self._check_ids(token_ids, rank=1)
+        self.check_cache(cache, token_ids.shape[0])
+        return super().step(token_ids, cache)
+
+    @classmethod
+    def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
+        return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. Loading checkpoints
+# ------------------------------------------------------------------------------------------------
+# Official (state-spaces/mamba2-130m ...): config.json with d_model, d_intermediate, n_layer,
+# vocab_size, ssm_cfg = {"layer": "Mamba2", d_state, headdim, ngroups, chunk_size ...},
+# pad_vocab_size_multiple (16 for those models), tie_embeddings; pytorch_model.bin under our names.
+# transformers (Mamba2ForCausalLM): config.json with hidden_size, num_hidden_layers, num_heads,
+# head_dim, state_size, n_groups, ...; the same names except backbone.embeddings.*; often
+# model.safetensors without the tied lm_head.weight; the vocab as saved (never padded), and
+# tie_word_embeddings false unless it says otherwise.
+
+_HF_FIELDS = {  # transformers Mamba2Config name -> Mamba2Config name
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim",
+    "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_min": "dt_min",
+    "time_step_max": "dt_max", "time_step_floor": "dt_init_floor", "time_step_limit": "dt_limit",
+    "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
+    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
+}
+_OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
+                        "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
+# official Mamba2 options that only change how it runs or how it is initialized
+_OFFICIAL_IGNORED = {"use_mem_eff_path", "conv_init", "layer_idx", "process_group", "sequence_parallel"}
+# official Mamba2 options we support only at their default value
+_OFFICIAL_FIXED = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
+
+
+def _number(v):
+    """transformers 5 writes inf to config.json as {"__float__": "Infinity"}; json writes Infinity."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
+
+
+def config_from_dict(d, **overrides):
+    """A Mamba2Config from an official or a transformers config.json dict."""
+    if "hidden_size" in d or "num_hidden_layers" in d:
+        if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
+            raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
+                             f"Mamba-2; for Mamba-1 use mamba_minimal.MambaLM.from_pretrained")
+        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
+        kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
+        kwargs.setdefault("tie_embeddings", False)  # transformers' default
+        kwargs["pad_vocab_size_multiple"] = 1  # transformers never pads the vocab
+        if d.get("rms_norm") is False:
+            raise ValueError("rms_norm: false (no gated norm in the mixer) is not supported")
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
+        heads = d.get("num_heads")
+        width = d.get("expand", 2) * d.get("hidden_size", 0)
+        if heads is not None and heads * d["head_dim"] != width:
+            raise ValueError(f"num_heads * head_dim = {heads} * {d['head_dim']} must equal expand * "
+                             f"hidden_size = {width}")
+    else:
+        required = ["d_model", "n_layer", "vocab_size"]
+        ssm_cfg = dict(d.get("ssm_cfg") or {})
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba2":
+            raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
+                             f"only (for Mamba-1 use mamba_minimal.MambaLM.from_pretrained)")
+        if d.get("d_intermediate", 0):
+            raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) is not supported")
+        if d.get("attn_layer_idx"):
+            raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
+        if d.get("rms_norm") is False:
+            raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
+        for name, value in _OFFICIAL_FIXED.items():
+            if ssm_cfg.pop(name, value) != value:
+                raise ValueError(f"ssm_cfg.{name} = {not value} is not supported (only {value})")
+        unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED
+        if unknown:
+            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+        ours = {f.name for f in fields(Mamba2Config)}
+        kwargs = {k: v for k, v in d.items() if k in ours}
+        kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS})
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
+    for name in ("dt_limit", "A_init_range"):
+        if name in kwargs:
+            kwargs[name] = tuple(_number(v) for v in kwargs[name])
+    kwargs.update(overrides)
+    return Mamba2Config(**kwargs)
+
+
+def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+    folder = mm._resolve_folder(path_or_id)
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(cfg_path) as f:
+        cfg = config_from_dict(json.load(f), **overrides)
+    model = cls(cfg)
+    # the same key mapping and strict checks as Mamba-1: embeddings -> embedding, re-tied head
+    state_dict = mm.convert_state_dict(mm._load_state_dict_file(folder), model)
+    model.load_state_dict(state_dict, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
