@@ -513,6 +513,14 @@ class Mamba2Mixer(nn.Module):
         conv_state = conv_state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
         return out, (conv_state, h_last)  # (B, conv_dim, d_conv), (B, H, P, N)
 
+    def cache_spec(self, batch):
+        """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
+        MambaLM.step checks a cache against it before writing into any layer."""
+        cfg = self.cfg
+        return (("conv_state", (batch, cfg.conv_dim, cfg.d_conv), "batch, conv_dim, d_conv", self.conv1d.weight.dtype),
+                ("ssm_state", (batch, cfg.nheads, cfg.headdim, cfg.d_state), "batch, nheads, headdim, d_state",
+                 _at_least_fp32(self.A_log).dtype))
+
     def step(self, u, cache):
         """One token (the official Mamba2.step without its kernels). u: (B, D);
         cache = (conv_state, ssm_state), updated in place. -> (B, D)"""
@@ -585,29 +593,9 @@ class Mamba2LM(mm.MambaLM):
     # --------------------------------------------------------------------------------------------
     # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (B, conv_dim, d_conv)
     # and the SSM state (B, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
-    # SSD over the prompt and returns both; each further token is one O(1) step.
-
-    def check_cache(self, cache, batch):
-        """Raise ValueError unless cache is what prefill returns for this model and batch size."""
-        cfg = self.cfg
-        if not isinstance(cache, (list, tuple)) or len(cache) != cfg.n_layer:
-            got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
-            raise ValueError(f"cache must be a list of {cfg.n_layer} (conv_state, ssm_state) pairs, got {got}")
-        expected = ((batch, cfg.conv_dim, cfg.d_conv), (batch, cfg.nheads, cfg.headdim, cfg.d_state))
-        for i, layer_cache in enumerate(cache):
-            if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
-                raise ValueError(f"cache[{i}] must be a pair (conv_state, ssm_state)")
-            for name, t, shape in zip(("conv_state", "ssm_state"), layer_cache, expected):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ValueError(f"cache[{i}] {name} must have shape {shape}, got {got}")
-
-    @torch.no_grad()
-    def step(self, token_ids, cache):
-        """token_ids (B,) -> logits (B, V); advances the cache in place, O(1) in the position."""
-        self._check_ids(token_ids, rank=1)
-        self.check_cache(cache, token_ids.shape[0])
-        return super().step(token_ids, cache)
+    # SSD over the prompt and returns both; each further token is one O(1) step. MambaLM's
+    # prefill, step and generate run it unchanged: step checks the cache against each mixer's
+    # cache_spec, then calls Mamba2Mixer.step layer by layer.
 
     @classmethod
     def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):

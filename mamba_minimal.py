@@ -326,6 +326,14 @@ class MambaMixer(nn.Module):
         conv_state = F.pad(x_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (b, ED, d_conv)
         return out, (conv_state.to(self.conv1d.weight.dtype).contiguous(), h_last)
 
+    def cache_spec(self, batch):
+        """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
+        step checks a cache against it before writing into any layer (section 8)."""
+        cfg = self.cfg
+        return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", self.conv1d.weight.dtype),
+                ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
+                 _at_least_fp32(self.A_log).dtype))
+
     def step(self, hidden, cache):
         """One token: the recurrent form of forward (section 5), mirroring the official
         Mamba.step (selective_state_update is its fused kernel for the SSM part).
@@ -836,7 +844,10 @@ _OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_
 def config_from_dict(d, **overrides):
     """A MambaConfig from an official or a transformers config.json dict."""
     ours = {f.name for f in fields(MambaConfig)}
+    to_mamba2 = "; load it with mamba2_minimal.Mamba2LM.from_pretrained"
     if "hidden_size" in d or "num_hidden_layers" in d:
+        if d.get("model_type") == "mamba2" or "head_dim" in d or "num_heads" in d:
+            raise ValueError("config.json describes a Mamba-2 model (transformers' Mamba2ForCausalLM)" + to_mamba2)
         required = ["hidden_size", "num_hidden_layers", "vocab_size"]
         kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
         # transformers never pads the vocabulary (a config.json converted from the official one may
@@ -847,7 +858,8 @@ def config_from_dict(d, **overrides):
         ssm_cfg = dict(d.get("ssm_cfg") or {})
         layer = ssm_cfg.pop("layer", "Mamba1")
         if layer != "Mamba1":
-            raise ValueError(f"this implementation covers Mamba-1 only; config.json asks for {layer}")
+            raise ValueError(f"MambaLM covers Mamba-1 only; config.json asks for {layer}"
+                             + (to_mamba2 if layer == "Mamba2" else ""))
         if d.get("attn_layer_idx"):
             raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
         if d.get("d_intermediate"):
@@ -1049,7 +1061,7 @@ def _check_step_inputs(model, token_ids, cache):
     _check_token_ids(token_ids, rank=1)
     if token_ids.device.type == "cpu":
         _check_token_range(token_ids, model.cfg.vocab_size)
-    cfg, n_layer, batch = model.cfg, len(model.backbone.layers), token_ids.shape[0]
+    n_layer, batch = len(model.backbone.layers), token_ids.shape[0]
     if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
         got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
         raise ValueError(f"cache must be a list of {n_layer} (conv_state, ssm_state) pairs, one per "
@@ -1058,14 +1070,11 @@ def _check_step_inputs(model, token_ids, cache):
         mixer = layer.mixer
         if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
             raise ValueError(f"cache[{i}] must be a (conv_state, ssm_state) pair")
-        expected = (("conv_state", (batch, cfg.d_inner, cfg.d_conv), mixer.conv1d.weight.dtype),
-                    ("ssm_state", (batch, cfg.d_inner, cfg.d_state), _at_least_fp32(mixer.A_log).dtype))
         device = mixer.conv1d.weight.device
-        for t, (name, shape, dtype) in zip(layer_cache, expected):
+        for t, (name, shape, dims, dtype) in zip(layer_cache, mixer.cache_spec(batch)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"cache[{i}] {name} must have shape {shape} (batch, d_inner, "
-                                 f"{'d_conv' if name == 'conv_state' else 'd_state'}) for a batch of "
+                raise ValueError(f"cache[{i}] {name} must have shape {shape} ({dims}) for a batch of "
                                  f"{batch} tokens, got {got}")
             if t.dtype != dtype or t.device != device:
                 raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "

@@ -571,5 +571,8 @@ def test_mamba1_loader_refuses_a_mamba2_checkpoint(tmp_path):
     cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8,
                        pad_vocab_size_multiple=16)
     folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, Mamba2LM(cfg).state_dict())
-    with pytest.raises(ValueError, match="Mamba2"):
+    with pytest.raises(ValueError, match="asks for Mamba2; load it with mamba2_minimal.Mamba2LM"):
         mm.MambaLM.from_pretrained(folder)
+    hf = write_checkpoint(tmp_path / "hf", HF_CONFIG, Mamba2LM(cfg).state_dict())
+    with pytest.raises(ValueError, match="Mamba-2 model .* load it with mamba2_minimal.Mamba2LM"):
+        mm.MambaLM.from_pretrained(hf)
