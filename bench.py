@@ -423,7 +423,7 @@ def timed_calls(fn, device, cap_s, repeats):
         live = torch.cuda.memory_allocated()
     times, spent = [], 0.0
     while not times or (len(times) < repeats and spent < cap_s):  # at least one call
-        if cuda:  # events time the GPU's work, not the launch of it
+        if cuda:  # events on the GPU's own timeline: first kernel to last, launch gaps included
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -459,9 +459,9 @@ def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES):
                     with torch.no_grad():
                         mm.selective_scan(*inputs, **kw)
                 else:
-                    for t in inputs:
-                        t.grad = None
                     mm.selective_scan(*inputs, **kw).sum().backward()
+                    for t in inputs:  # freed after the call, so each call's peak counts them
+                        t.grad = None
 
             try:
                 sync(device)
@@ -476,7 +476,7 @@ def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES):
                 rows.append(row + ["out of memory", "", "", ""])
             except Exception as err:  # a failing case must not hide the others' figures
                 rows.append(row + [f"failed: {type(err).__name__}: {str(err)[:60]}", "", "", ""])
-            for t in inputs:
+            for t in inputs:  # after a failure too
                 t.grad = None
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -545,9 +545,10 @@ def bench_gpu(args):
         print(tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else tests.stderr[-2000:])
         if not tests_ok:
             print(tests.stdout[-3000:])
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
         tests_ok = False
-        print("the CUDA tests did not finish in 150 s")
+        partial = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        print(f"{partial[-1000:]}\nthe CUDA tests did not finish in 150 s")
 
     # 2. the seed's table: what is left of the budget minus the training run's share
     train_s = 40 if args.tiny else 120
