@@ -496,7 +496,7 @@ def gpu_training(device, args, timeout_s):
     if args.data:
         cmd += ["--data", args.data]
     if args.tiny:  # a toy model, so the smoke test only checks that the pieces fit together
-        cmd += ["--d-model", "32", "--n-layer", "2", "--block-size", "32", "--batch-size", "4",
+        cmd += ["--d-model", "32", "--n-layer", "2", "--block-size", "64", "--batch-size", "32",
                 "--eval-iters", "2", "--log-interval", "2"]
     print("$ " + " ".join(cmd), flush=True)
     try:
