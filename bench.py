@@ -586,6 +586,8 @@ def main():
     torch.set_num_threads(args.threads)
     if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses
         return bench_gpu(args)
+    if "gpu" in args.what:
+        p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "selective": bench_selective, "train": bench_train, "generate": bench_generate}
     whats = args.what or ["scan"]
