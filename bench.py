@@ -8,6 +8,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py all           # everything above
+    python bench.py gpu           # on a CUDA machine: CUDA tests, the seed's L = 8192 table, training
 
 Every table is measured in one process with the candidates interleaved (round-robin, median of
 the repeats), so a noisy machine slows them all alike and the ratios stay meaningful. One thread
@@ -597,6 +598,181 @@ def bench_mamba2_train(args, device):
           ["model", "params", "ms/iter", "/GPT", "tokens/s"], rows)
 
 
+# ------------------------------------------------------------------------------------------------
+# On a GPU, in one go: the CUDA tests, the seed's table at its own shape, a short training run
+# ------------------------------------------------------------------------------------------------
+# Seed 000 measures the selective scan of one Mamba layer at d_model 1024 (so ED = 2048), N = 16,
+# over L = 8192 steps, batch 1: the Python loop pays 8192 x a few kernel launches, torch's
+# associative_scan in "pointwise" mode (CUDA only) runs one Triton kernel, and a fused kernel
+# keeps the states on chip. Everything here is capped in time, so that the whole command fits in
+# GPU_BUDGET_S however slow one case turns out to be (the seed reports 1-2 s per call of the loop).
+
+GPU_SHAPE = (1, 8192, 2048, 16)  # (B, L, ED, N)
+GPU_TINY_SHAPE = (1, 40, 8, 4)  # --tiny: the same cases on any device, as a smoke test
+GPU_BUDGET_S = 480  # the whole command: tests, table, training
+GPU_CASES = {  # selective_scan's keyword arguments
+    "loop (scan_sequential)": dict(backend="sequential"),
+    "associative_scan (pointwise on CUDA)": dict(backend="associative"),
+    "pscan": dict(backend="pscan"),
+    "compiled chunked": dict(compile=True),
+    'compile="loop"': dict(compile="loop"),  # with a backward it runs as "compiled chunked"
+}
+
+
+def timed_calls(fn, device, cap_s, repeats):
+    """Median ms of up to `repeats` warm calls, stopping once they have used cap_s seconds,
+    and the peak memory (MiB) the calls allocate beyond what was live before them."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        live = torch.cuda.memory_allocated()
+    times, spent = [], 0.0
+    while not times or (len(times) < repeats and spent < cap_s):  # at least one call
+        if cuda:  # events on the GPU's own timeline: first kernel to last, launch gaps included
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        spent += times[-1] / 1e3
+    peak = (torch.cuda.max_memory_allocated() - live) / 2**20 if cuda else None
+    return statistics.median(times), len(times), peak
+
+
+def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES):
+    """The seed's table: forward and forward+backward of selective_scan per case. Returns rows."""
+    inputs = selective_inputs(*shape, device=device, requires_grad=True)
+    rows = []
+    for name, kw in cases.items():
+        for mode in ("fwd", "fwd+bwd"):
+            row = [str(shape), name, mode]
+            left = deadline - time.perf_counter()
+            if mode == "fwd+bwd" and kw.get("compile") == "loop":
+                rows.append(row + ["as compiled chunked", "", "", ""])
+                continue
+            if left < 5:
+                rows.append(row + ["skipped: out of time", "", "", ""])
+                continue
+
+            def call(kw=kw, mode=mode):
+                if mode == "fwd":
+                    with torch.no_grad():
+                        mm.selective_scan(*inputs, **kw)
+                else:
+                    mm.selective_scan(*inputs, **kw).sum().backward()
+                    for t in inputs:  # freed after the call, so each call's peak counts them
+                        t.grad = None
+
+            try:
+                sync(device)
+                t0 = time.perf_counter()
+                call()  # warm-up; for the compiled cases, the compile
+                sync(device)
+                first = time.perf_counter() - t0
+                # at most a quarter of what is left per case, so the later cases still run
+                ms, n, peak = timed_calls(call, device, min(30.0, (left - first) / 4), repeats)
+                rows.append(row + [f"{ms:.2f}", str(n), f"{first:.1f}", "" if peak is None else f"{peak:.0f}"])
+            except torch.OutOfMemoryError:
+                rows.append(row + ["out of memory", "", "", ""])
+            except Exception as err:  # a failing case must not hide the others' figures
+                rows.append(row + [f"failed: {type(err).__name__}: {str(err)[:60]}", "", "", ""])
+            for t in inputs:  # after a failure too
+                t.grad = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def gpu_training(device, args, timeout_s):
+    """A short run of train_shakespeare.py with the device's defaults (bf16 autocast on CUDA).
+    Returns (final val loss or None, median tokens/s or None, a note)."""
+    import re
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    out_dir = tempfile.mkdtemp(prefix="bench_gpu_train_")
+    cmd = [sys.executable, os.path.join(here, "train_shakespeare.py"), "--device", device.type,
+           "--out-dir", out_dir, "--max-iters", str(args.train_iters), "--no-sample",
+           "--eval-interval", str(max(1, args.train_iters // 4))]
+    if args.data:
+        cmd += ["--data", args.data]
+    if args.tiny:  # a toy model, so the smoke test only checks that the pieces fit together
+        cmd += ["--d-model", "32", "--n-layer", "2", "--block-size", "64", "--batch-size", "32",
+                "--eval-iters", "2", "--log-interval", "2"]
+    print("$ " + " ".join(cmd), flush=True)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=here)
+        text, note = out.stdout + out.stderr, f"exit status {out.returncode}"
+    except subprocess.TimeoutExpired as err:
+        text = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        note = f"stopped after {timeout_s:.0f} s"
+    rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", text)]
+    val = None
+    log_path = os.path.join(out_dir, "log.jsonl")
+    if os.path.exists(log_path):
+        with open(log_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        vals = [r["val_loss"] for r in records if "val_loss" in r]
+        val = vals[-1] if vals else None
+    if val is None:
+        print(text[-2000:])
+    return val, statistics.median(rates) if rates else None, f"{note}, log in {out_dir}"
+
+
+def bench_gpu(args):
+    """python bench.py gpu: everything a CUDA machine should measure, in at most 8 minutes.
+    With --tiny, the same steps at a toy size on --device (a dry run for machines without one)."""
+    t_start = time.perf_counter()
+    deadline = t_start + GPU_BUDGET_S
+    if args.tiny:
+        device, shape = torch.device(args.device), GPU_TINY_SHAPE
+    else:
+        if not torch.cuda.is_available():
+            print("bench.py gpu needs a CUDA GPU, and torch sees none here (torch "
+                  f"{torch.__version__}, cuda {torch.version.cuda}). Nothing was run. For a dry run "
+                  "of the same steps at a toy size on this machine: python bench.py gpu --tiny")
+            sys.exit(1)
+        device, shape = torch.device("cuda"), GPU_SHAPE
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, {device} ({name}){', dry run at a toy size' if args.tiny else ''}")
+
+    # 1. the tests that exercise CUDA (skipped where there is none): at most 2.5 minutes
+    here = os.path.dirname(os.path.abspath(__file__))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", "-p", "no:cacheprovider"]
+    print("\n$ " + " ".join(cmd[1:]), flush=True)
+    try:
+        tests = subprocess.run(cmd, cwd=here, capture_output=True, text=True, timeout=150)
+        tests_ok = tests.returncode in (0, 5)  # 5: nothing selected
+        print(tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else tests.stderr[-2000:])
+        if not tests_ok:
+            print(tests.stdout[-3000:])
+    except subprocess.TimeoutExpired as err:
+        tests_ok = False
+        partial = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        print(f"{partial[-1000:]}\nthe CUDA tests did not finish in 150 s")
+
+    # 2. the seed's table: what is left of the budget minus the training run's share
+    train_s = 120  # a toy run on a busy CPU needs about as long as the real one on a GPU
+    rows = gpu_table(device, shape, deadline - train_s, args.repeats)
+    table(f"y = selective_scan(...) at (B, L, ED, N) = {shape}: median ms of warm calls, peak memory "
+          f"beyond the inputs", ["(B, L, ED, N)", "path", "pass", "ms", "calls", "first call s", "peak MiB"], rows)
+
+    # 3. a short training run with the device's defaults
+    left = max(float(train_s), deadline - time.perf_counter())  # its share, even after a slow table
+    val, rate, note = gpu_training(device, args, left)
+    table(f"train_shakespeare.py, {args.train_iters} iterations, the {device.type} defaults"
+          f"{' with bf16 autocast' if device.type == 'cuda' else ''}", ["val loss", "tokens/s", "run"],
+          [["" if val is None else f"{val:.4f}", "" if rate is None else f"{rate:,.0f}", note]])
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    if not tests_ok or val is None:
+        sys.exit(1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
@@ -607,10 +783,18 @@ def main():
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke test)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
+    g = p.add_argument_group("gpu (python bench.py gpu)")
+    g.add_argument("--tiny", action="store_true", help="dry run of `gpu` at a toy size on --device")
+    g.add_argument("--train-iters", type=int, default=300, help="iterations of the training run")
+    g.add_argument("--data", help="text for the training run (default: the trainer's)")
     args = p.parse_args()
     if args.memory_case:
         return memory_case(json.loads(args.memory_case))
     torch.set_num_threads(args.threads)
+    if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses
+        return bench_gpu(args)
+    if "gpu" in args.what:
+        p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
               "selective": bench_selective, "train": bench_train, "generate": bench_generate,
