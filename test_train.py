@@ -31,7 +31,7 @@ def without(argv, *flags):
     return out
 
 
-TIMED = without(TINY, "--warmup-iters")  # for time-based runs, which warm up by --warmup-frac
+TIMED = TINY  # time-based runs warm up over --warmup-iters steps too
 
 
 @pytest.fixture
@@ -207,7 +207,7 @@ def test_compiled_training_follows_the_eager_run(text_file, tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 
 def schedule_args(**kw):
-    base = dict(lr=1.0, min_lr=0.1, warmup_iters=4, lr_decay_iters=14, max_time=None, warmup_frac=0.2)
+    base = dict(lr=1.0, min_lr=0.1, warmup_iters=4, lr_decay_iters=14, max_time=None)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -220,12 +220,16 @@ def test_iteration_schedule_is_linear_warmup_then_cosine_to_min_lr():
 
 
 def test_time_schedule_follows_the_fraction_of_the_budget_spent():
-    args = schedule_args(max_time=100.0, warmup_frac=0.1)
+    args = schedule_args(max_time=100.0)
     cosine = lambda r: 0.1 + 0.45 * (1 + math.cos(math.pi * r))
-    expected = {0.0: 0.0, 2.5: 0.25, 5.0: 0.5, 10.0: 1.0, 28.0: cosine(0.2), 55.0: 0.55, 91.0: cosine(0.9),
+    expected = {0.0: 1.0, 10.0: cosine(0.1), 28.0: cosine(0.2 + 0.08), 50.0: 0.55, 91.0: cosine(0.91),
                 100.0: 0.1, 130.0: 0.1}
     for elapsed, lr in expected.items():
         assert ts.lr_at(args, step=7, elapsed=elapsed) == pytest.approx(lr, abs=1e-12), elapsed
+    # the warmup counts steps, whatever time they took (a first step may compile for a minute):
+    # step k ends the warmup's (k+1)/4, times the cosine at the time spent
+    for step, elapsed in ((0, 0.0), (0, 30.0), (1, 40.0), (3, 40.0)):
+        assert ts.lr_at(args, step, elapsed) == pytest.approx(min(1, (step + 1) / 4) * cosine(elapsed / 100), abs=1e-12)
 
 
 @pytest.fixture
@@ -256,11 +260,12 @@ def fake_clock(monkeypatch, seconds_per_step):
 def test_time_budget_sets_schedule_evaluations_and_stop(text_file, tmp_path, capsys, monkeypatch, lrs):
     fake_clock(monkeypatch, 1.0)  # every step takes one second
     out_dir = str(tmp_path / "timed")
-    args = ["--data", text_file, "--out-dir", out_dir, "--max-time", "10", "--warmup-frac", "0.2",
+    args = ["--data", text_file, "--out-dir", out_dir, "--max-time", "10",
             "--num-evals", "5", "--min-lr", "0.001"] + TIMED
     run(args, capsys)
-    # step k starts after k seconds: warmup to 0.01 over the first 2 s, then cosine to 0.001 by 10 s
-    expected = [0.01 * k / 2 if k < 2 else 0.001 + 0.0045 * (1 + math.cos(math.pi * (k - 2) / 8)) for k in range(10)]
+    # step k starts after k seconds: cosine from 0.01 to 0.001 over the 10 s, times the warmup
+    # over the first 2 steps (TINY's --warmup-iters)
+    expected = [min(1, (k + 1) / 2) * (0.001 + 0.0045 * (1 + math.cos(math.pi * k / 10))) for k in range(10)]
     assert lrs == pytest.approx(expected, abs=1e-15)
     records = evals(out_dir)
     assert [(r["step"], r["elapsed"]) for r in records if "val_loss" in r] == [(2, 2), (4, 4), (6, 6), (8, 8), (10, 10)]
@@ -293,7 +298,7 @@ def test_time_and_iteration_flags_do_not_mix(text_file, tmp_path):
                          (["--max-iters", "5", "--num-evals", "5"], "--num-evals does not apply"),
                          (["--max-time", "0"], "--max-time must be"),
                          (["--max-time", "nan"], "--max-time must be"),
-                         (["--max-time", "5", "--warmup-frac", "1"], "--warmup-frac must")]:
+                         (["--max-time", "5", "--lr-decay-iters", "5"], "--lr-decay-iters does not apply")]:
         with pytest.raises(SystemExit, match=match):
             ts.main(["--data", text_file, "--out-dir", str(tmp_path / "x")] + extra)
 

@@ -45,15 +45,15 @@ DEFAULTS = {
     # a 0.83M-parameter model sized for a laptop CPU: about 5 minutes to val loss 1.75
     "cpu": dict(d_model=128, n_layer=7, d_state=16, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
                 beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
-                max_time=None, warmup_frac=0.05, num_evals=10),
+                max_time=None, num_evals=10),
     # about 11M parameters, in the range of nanoGPT's baby GPT on a GPU
     "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
-                 max_time=None, warmup_frac=0.04, num_evals=20),
+                 max_time=None, num_evals=20),
 }
 # max_time: None means an iteration-based default run (max_iters); a number of seconds makes the
-# default run time-based. warmup_frac and num_evals are the time-based run's warmup and evaluations,
-# chosen as the iteration defaults' 50/1000 and 1000/100.
+# default run time-based. num_evals is the time-based run's number of evaluations (the iteration
+# defaults' 1000/100); both kinds warm up over warmup_iters steps.
 DEFAULTS["mps"] = DEFAULTS["cpu"]
 
 # What the other architectures change in the defaults above, per device.
@@ -104,7 +104,6 @@ def parse_args(argv=None):
     t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
     t.add_argument("--warmup-iters", type=int, help="iteration-based runs: steps of linear warmup")
     t.add_argument("--lr-decay-iters", type=int, help="iteration-based runs: length of the cosine decay (default max-iters)")
-    t.add_argument("--warmup-frac", type=float, help="time-based runs: fraction of the budget spent warming up")
     t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
     t.add_argument("--weight-decay", type=float, default=0.1)
     t.add_argument("--grad-clip", type=float, default=1.0)
@@ -136,8 +135,8 @@ def pick_device(name):
     return torch.device("cpu")
 
 
-ITERATION_FLAGS = ("max_iters", "warmup_iters", "lr_decay_iters", "eval_interval")
-TIME_FLAGS = ("max_time", "warmup_frac", "num_evals")
+ITERATION_FLAGS = ("max_iters", "lr_decay_iters", "eval_interval")
+TIME_FLAGS = ("max_time", "num_evals")
 
 
 def flag(key):
@@ -173,8 +172,6 @@ def fill_defaults(args, device):
     if args.max_time is not None:
         if not (math.isfinite(args.max_time) and args.max_time > 0):
             sys.exit(f"error: --max-time must be a positive number of seconds, got {args.max_time}")
-        if not 0 <= args.warmup_frac < 1:
-            sys.exit(f"error: --warmup-frac must lie in [0, 1), got {args.warmup_frac}")
     check_numbers(args)
 
 
@@ -205,22 +202,22 @@ def clock():
 
 
 def lr_at(args, step, elapsed):
-    """The learning rate of the next step: linear warmup, then cosine decay to min_lr (as in
-    nanoGPT). An iteration-based run measures progress in steps; a time-based run in the fraction
-    of --max-time spent before this step (its first step, at fraction 0, runs at lr 0: it only
-    primes AdamW's moment estimates)."""
+    """The learning rate of the next step: linear warmup over --warmup-iters steps, then cosine
+    decay to min_lr (as in nanoGPT). An iteration-based run measures the decay in steps; a
+    time-based run in the fraction of --max-time spent before this step. The warmup counts steps
+    in both: it is there for AdamW, whose moment estimates need a few steps, however long they
+    take (a first step that compiles for 30 s would otherwise use up a warmup measured in time)."""
+    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # the step's end
     if args.max_time is None:
-        progress, warmup, end = step, args.warmup_iters, args.lr_decay_iters
-        if progress < warmup:
-            return args.lr * (step + 1) / warmup  # the step's end: the first step is not wasted
+        if step < args.warmup_iters:
+            return args.lr * warm
+        progress, start, end = step, args.warmup_iters, args.lr_decay_iters
     else:
-        progress, warmup, end = elapsed / args.max_time, args.warmup_frac, 1.0
-        if progress < warmup:
-            return args.lr * progress / warmup
+        progress, start, end = elapsed / args.max_time, 0.0, 1.0
     if progress >= end:
-        return args.min_lr
-    ratio = (progress - warmup) / (end - warmup)  # 0 -> 1 over the decay
-    return args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr)
+        return args.min_lr * warm
+    ratio = (progress - start) / (end - start)  # 0 -> 1 over the decay
+    return warm * (args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr))
 
 
 def log(*a):
