@@ -121,7 +121,7 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
     B, C = (t.repeat_interleave(H // G, dim=2) for t in (B, C))  # (B, L, H, N): head k reads group k // (H/G)
     h = x.new_zeros(*x.shape[:1], *x.shape[2:], B.shape[-1]) if h0 is None else h0.to(x.dtype)  # (B, H, P, N)
     ys = []
-    # unbind, not x[:, t]: see pscan.py section 2 (indexing makes the backward quadratic in L)
+    # unbind, not x[:, t]: see pscan.py section 1 (indexing makes the backward quadratic in L)
     for x_t, dt_t, B_t, C_t in zip(x.unbind(1), dt.unbind(1), B.unbind(1), C.unbind(1)):
         decay = torch.exp(dt_t * A)  # (B, H)
         h = decay[..., None, None] * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]  # (B, H, P, N)

@@ -51,12 +51,6 @@ import torch.nn.functional as F
 
 import pscan
 
-try:  # torch's scan operator, a prototype in torch; only section 6's compile="loop" uses it
-    from torch._higher_order_ops.scan import scan as _scan_op
-except ImportError:
-    _scan_op = None
-
-
 def _at_least_fp32(t):
     """fp16/bf16 -> fp32; fp32 and fp64 stay as they are (the tests run whole models in fp64)."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
@@ -118,10 +112,11 @@ def discretize(x, delta, A, B):
 # 2. The selective scan
 # ------------------------------------------------------------------------------------------------
 # Algorithm 2 of the paper (the "S6" layer): discretize every token, run the linear recurrence
-# h_t = dA_t·h_{t-1} + dBx_t over the sequence, read each state out with C_t, add the skip D·x,
-# and gate with SiLU(z) (the gate belongs to the block; the official kernel applies it inside
-# the scan, and so do we). Since dA_t and dBx_t change from token to token, the recurrence
-# cannot be unrolled into one fixed convolution kernel as in S4 (eq. 3): it has to be scanned,
+# h_t = dA_t·h_{t-1} + dBx_t over the sequence, and read each state out with C_t. Then add the
+# skip D·x and gate with SiLU(z) (both belong to the block, §3.4; the official kernel applies them inside
+# the scan, and so do we). Since dA_t = exp(Δ_t·A) changes from token to token, and so do B_t
+# and C_t, the recurrence cannot be unrolled into one fixed convolution kernel as in S4 (eq. 3;
+# pscan.scan_time_invariant shows that case): it has to be scanned,
 # which is what pscan.py is about.
 #
 # selective_scan_reference is the whole algorithm in a few lines, and the function that
@@ -156,7 +151,7 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
         D:       (ED,)       skip connection, or None
         z:       (b, L, ED)  gate, or None
         h0:      (b, ED, N)  initial state, or None for zeros
-        backend: pscan.scan's backend ("auto", "sequential", "pscan", "hillis_steele", "associative")
+        backend: any of pscan.BACKENDS
     Returns:
         y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
     """
@@ -177,7 +172,9 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
 
 @dataclass
 class MambaConfig:
-    """Field names and defaults follow the official mamba_ssm MambaConfig and Mamba block."""
+    """Field names follow the official mamba_ssm MambaConfig and Mamba block, and so do the
+    block's defaults (d_state, expand, d_conv, dt_*). d_model, n_layer and vocab_size default to
+    a small character model for Tiny Shakespeare's 65 characters."""
     d_model: int = 128
     n_layer: int = 4
     vocab_size: int = 65
@@ -296,7 +293,8 @@ class MambaMixer(nn.Module):
 
     def causal_conv(self, x):
         """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-d_conv+1+k}
-        + bias. The same sum `step` computes on its rolling buffer; faster on a CPU than nn.Conv1d here.
+        + bias. The same sum `step` computes on its rolling buffer. On a CPU its backward is much
+        cheaper than nn.Conv1d's (README, "One training step": the change behind the faster step).
         x: (b, L, ED) -> (b, L, ED)"""
         width, L = self.cfg.d_conv, x.shape[1]
         w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
@@ -314,11 +312,13 @@ class MambaMixer(nn.Module):
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
         x = F.silu(self.causal_conv(x_in))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
-        # selective_scan is section 6's entry point. With the default config it runs
-        # selective_scan_reference above; the config may pick the fused path, same numbers.
-        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
-                                   compile=cfg.compile_scan, return_last_state=True,
-                                   chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (b, L, ED)
+        if cfg.compile_scan or cfg.scan_backend == "chunked":  # section 6's fast path, equal to rounding
+            y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
+                                       compile=cfg.compile_scan, return_last_state=True,
+                                       chunk_size=cfg.chunk_size, recompute=cfg.recompute)
+        else:
+            y, h_last = selective_scan_reference(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend)
+        y = y.to(x.dtype)  # (b, L, ED); the scan ran in fp32 at least
         out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
@@ -542,16 +542,18 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 # BlockScan), and the running state is carried from one chunk to the next.
 #
 # Here, in PyTorch: for a chunk of T steps, discretize, run the recurrence from the carried
-# state, contract with C, add D·x, gate with SiLU(z), and pass the last state on. Only
-# (b, T, ED, N) is ever alive. Eagerly this is still several passes over a small block; under
+# state, contract with C, add D·x, gate with SiLU(z), and pass the last state on. In a forward
+# pass, and in training with recompute (below), only (b, T, ED, N) is ever alive. Eagerly this is still several passes over a small block; under
 # torch.compile, Inductor fuses the chunk into one kernel (C++ on a CPU, Triton on a GPU) that
 # reads x, Δ, B, C, z once and writes y once, the states staying in registers and cache.
 #
 # How this chunk relates to pscan.scan_chunked. Both split the sequence into chunks and carry
 # the state across them. pscan.scan_chunked scans *inside* every chunk in parallel (all chunks at
 # once from a zero state), then scans the chunks' summaries and corrects every chunk by its
-# carried-in state: the shape for a GPU, whose threads share one chunk's steps, like the
-# official kernel. Here each chunk runs its T steps one after another inside one fused kernel,
+# carried-in state: the classic two-level GPU scan, and the shape of Mamba-2's chunked SSD
+# (mamba2_minimal.py). The official Mamba-1 kernel is the sequential variant of it: one thread
+# block walks the chunks in order and seeds each chunk's parallel scan with the carried state,
+# so it needs no correction pass. Here each chunk runs its T steps one after another inside one fused kernel,
 # and the chunks follow each other, so the carried state is simply the last one: no summary
 # scan, no correction pass. The parallelism is across the b·ED·N independent recurrences, which
 # fill a CPU's vector lanes.
@@ -658,10 +660,9 @@ def _maybe_compiled(fn, compile, device):
     key = (fn, device.type)
     if key not in _compiled:
         # On a CPU, Inductor's C++ wrapper instead of its Python one: the code around the kernels
-        # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++. It cut
-        # the fixed cost of a call from 50 to 37 us and a 4096-step forward through the compiled
-        # loop from 19 to 14 ms, measured with 32-step chunks (the default then; not re-measured
-        # at today's 16, where the fixed cost weighs twice as much per step).
+        # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++, which
+        # trims the fixed cost of every call (README, "The selective scan and the fused path":
+        # about 35 us per call with it, at 16-step chunks).
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
     return _compiled[key]
@@ -693,6 +694,12 @@ def _detached(*tensors):
     # and require grad. The compiled code guards on requires_grad, so without this the first
     # chunk and the others would each compile their own copy of the same graph.
     return [None if t is None else t.detach() for t in tensors]
+
+
+try:  # torch's scan operator, a prototype in torch; only compile="loop" uses it
+    from torch._higher_order_ops.scan import scan as _scan_op
+except ImportError:
+    _scan_op = None
 
 
 def _chunk_loop(x, delta, A, B, C, D, z, h):

@@ -4,20 +4,20 @@ pscan.py: every way to run the first-order linear recurrence
     h_t = a_t * h_{t-1} + b_t          (t = 0 .. L-1, h_{-1} = h0, zero by default)
 
 which is the heart of a selective state space model: in Mamba (Gu & Dao 2023, arXiv 2312.00752,
-§3.2 and Algorithm 2), a_t = exp(Δ_t·A) and b_t = Δ_t·B_t·x_t, elementwise over the (ED, N) state.
+§3.2 and Algorithm 2), a_t = exp(Δ_t·A) and b_t = Δ_t·B_t·x_t, elementwise over every (channel, state) pair.
 Read this file top to bottom:
 
-    1. Checking the inputs               what every backend accepts
-    2. The sequential loop               scan_sequential: the oracle and the baseline
-    3. The convolution view              why S4 needed no scan, and why Mamba does
-    4. The combine rule                  why a recurrence can be computed in parallel
-    5. Counting work and depth           count_combines: what each scan costs, counted by the code
-    6. The Blelloch scan                 up-sweep and down-sweep on strided views, any L
-    7. The Hillis-Steele scan            fewer levels, more work
-    8. The chunked scan                  a scan inside every chunk, a carry across chunks
-    9. The backward pass                 a gradient that is itself a reverse scan
-   10. torch's associative_scan          scan_associative, with the same lean backward
-   11. One entry point                   scan(..., backend="auto") and the rule it uses
+    1. The sequential loop               scan_sequential: the oracle and the baseline
+    2. The convolution view              why S4 needed no scan, and why Mamba does
+    3. The combine rule                  why a recurrence can be computed in parallel
+    4. Counting work and depth           count_combines: what each scan costs, counted by the code
+    5. The Blelloch scan                 up-sweep and down-sweep on strided views, any L
+    6. The Hillis-Steele scan            fewer levels, more work
+    7. The chunked scan                  a scan inside every chunk, a carry across chunks
+    8. The backward pass                 a gradient that is itself a reverse scan
+    9. torch's associative_scan          scan_associative, with the same lean backward
+   10. One entry point                   scan(..., backend="auto") and the rule it uses
+       Appendix: checking the inputs     what every backend accepts
 
 Shapes: a and b are (batch, L, *rest) with the same shape; the scan runs over dim 1 and every
 other position is an independent recurrence. h0 is (batch, *rest). The result h is
@@ -39,48 +39,18 @@ BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "chunked", "associat
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. Checking the inputs
-# ------------------------------------------------------------------------------------------------
-
-def _shape(t):
-    return tuple(t.shape)
-
-
-def _check_inputs(a, b, h0):
-    """Raise ValueError naming what was expected; return the dtype to accumulate in."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        raise ValueError(f"a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
-    if a.shape != b.shape:
-        raise ValueError(f"a and b must have the same shape, got {_shape(a)} and {_shape(b)}")
-    if a.dim() < 2:
-        raise ValueError(f"a and b must have shape (batch, L, ...) with at least 2 dims, got {_shape(a)}")
-    if a.shape[1] == 0:
-        raise ValueError(f"the sequence length (dim 1) must be at least 1, got shape {_shape(a)}")
-    if not a.is_floating_point() or a.dtype != b.dtype:
-        raise ValueError(f"a and b must share one floating dtype, got {a.dtype} and {b.dtype}")
-    if a.device != b.device:
-        raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
-    if h0 is not None:
-        expected = (a.shape[0],) + tuple(a.shape[2:])
-        if not isinstance(h0, torch.Tensor) or tuple(h0.shape) != expected:
-            got = _shape(h0) if isinstance(h0, torch.Tensor) else type(h0).__name__
-            raise ValueError(f"h0 must have shape (batch, *rest) = {expected}, got {got}")
-        if h0.device != a.device:
-            raise ValueError(f"h0 must be on {a.device}, got {h0.device}")
-    # Half precision loses the state: with a_t close to 1 the state is a long running sum, and
-    # once it is large, a small b_t is less than half the spacing of the representable numbers
-    # around it (fp16 has 11 significant bits, bf16 8) and is rounded away. Accumulate in fp32.
-    return torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
-
-
-# ------------------------------------------------------------------------------------------------
-# 2. The sequential loop
+# 1. The sequential loop
 # ------------------------------------------------------------------------------------------------
 # L dependent steps, each one elementwise multiply-add over the batch * prod(rest) values of a
 # step. On a CPU it holds its own forward, since it reads every input once (within 1.5x of pscan
 # either way from width 4096 on, README "h = scan(a, b)"). On a GPU every step is a kernel launch
 # of a few microseconds, so L = 4096 costs tens of milliseconds of launches
 # alone, whatever the width. That is why the parallel scans below exist.
+#
+# Half precision loses the state: with a_t close to 1 the state is a long running sum, and once
+# it is large, a small b_t is less than half the spacing of the representable numbers around it
+# (fp16 has 11 significant bits, bf16 8) and is rounded away. So every backend accumulates
+# fp16/bf16 inputs in fp32 and returns the input's dtype.
 #
 # We iterate with unbind, not a[:, t]: autograd's backward of `x[:, t]` allocates a zero tensor
 # of the full (batch, L, ...) shape for every step, which makes the backward quadratic in L.
@@ -105,7 +75,7 @@ def scan_sequential(a, b, h0=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. The convolution view
+# 2. The convolution view
 # ------------------------------------------------------------------------------------------------
 # Unroll the loop: h_t = b_t + a_t·b_{t-1} + a_t·a_{t-1}·b_{t-2} + ... Every b_s reaches h_t
 # through the product of the a's in between. If a does not depend on t (a linear time-invariant
@@ -150,7 +120,7 @@ def scan_time_invariant(a, b, h0=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. The combine rule
+# 3. The combine rule
 # ------------------------------------------------------------------------------------------------
 # Write one step as the pair (a, b), meaning "h -> a*h + b". Doing step 1 then step 2 is
 #
@@ -169,7 +139,7 @@ def scan_time_invariant(a, b, h0=None):
 # is h_t only when h0 = 0. A nonzero h0 is one more step (0, h0) in front of s_0 (it maps anything to h0); the scans
 # below fold it into the first step instead, b_0 <- a_0*h0 + b_0, and then scan from zero. And we
 # may bracket the product however we like, for instance as a balanced tree whose levels run in
-# parallel (sections 6 to 8).
+# parallel (sections 5 to 7).
 #
 # Floating point is not exactly associative, so every bracketing rounds differently: the scans
 # agree with the loop to rounding, not bit for bit, and a model trained with one and sampled with
@@ -177,7 +147,7 @@ def scan_time_invariant(a, b, h0=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. Counting work and depth
+# 4. Counting work and depth
 # ------------------------------------------------------------------------------------------------
 # Two numbers describe a parallel algorithm: its work (how many combines in all) and its depth
 # (how many of them must happen one after another; every level of a tree is one vectorized op,
@@ -214,7 +184,7 @@ def _level(updated):
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. The Blelloch scan
+# 5. The Blelloch scan
 # ------------------------------------------------------------------------------------------------
 # Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one vectorized
 # multiply-add over strided views, on half as many elements as the level before. After it, the
@@ -241,7 +211,8 @@ def _level(updated):
 # is about 2L combines (exactly 2L - 2 - log2(L) for a power of two): more than the loop's L, which
 # is the price of the short depth.
 #
-# This is the work-efficient *inclusive* scan in its odd/even form, not the textbook Blelloch
+# This is the work-efficient *inclusive* scan in its odd/even form (the Brent-Kung scan, Brent &
+# Kung 1982, as the literature names it), not the textbook Blelloch
 # scan (Blelloch 1990), which is *exclusive*: after the same up-sweep, the textbook puts the
 # identity step (1, 0) at the root and walks down swapping, so that every element t ends with
 # 0:t, the prefix *before* it (element 0 gets the identity, which is where h0 would go). One turns
@@ -258,7 +229,7 @@ def _level(updated):
 # the combined steps needs a new tensor per level, but each level is half the one below, so
 # all of them together are one more tensor of the input's size. The input a is only read.
 #
-# The same tree runs backwards in time for the backward pass (section 9). Written for both
+# The same tree runs backwards in time for the backward pass (section 8). Written for both
 # directions, the multipliers `w` are a[:, 1:] in both cases: w holds the multiplier of every
 # element except the first one in scan order.
 #   forward:  h_t = a_t * h_{t-1} + b_t,   element t takes w[t-1] = a_t   (element 0 takes none)
@@ -301,7 +272,7 @@ def _blelloch_(x, w, reverse=False):
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. The Hillis-Steele scan
+# 6. The Hillis-Steele scan
 # ------------------------------------------------------------------------------------------------
 # The other classic (Hillis & Steele 1986). At level k every element t >= d = 2^k combines with
 # the element d before it, all at once. Each row is the state after its level:
@@ -314,7 +285,7 @@ def _blelloch_(x, w, reverse=False):
 #
 # (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6).
 #
-# The trade-off, as seed 000 §2.3 puts it, with the counts of this file at L = 1024 (section 5,
+# The trade-off, as seed 000 §2.3 puts it, with the counts of this file at L = 1024 (section 4,
 # `python bench.py depth`):
 #
 #   scan            work           depth        counted at L = 1024
@@ -330,7 +301,7 @@ def _blelloch_(x, w, reverse=False):
 
 def _hillis_steele(x, w, reverse=False):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
-    if reverse:  # the same scan on the time-reversed sequence (section 9)
+    if reverse:  # the same scan on the time-reversed sequence (section 8)
         return _hillis_steele(x.flip(1), w.flip(1)).flip(1)
     n = x.shape[1]
     m, d = w, 1  # m[:, j]: a-part of the d steps that end at element j + d
@@ -345,14 +316,15 @@ def _hillis_steele(x, w, reverse=False):
 
 
 # ------------------------------------------------------------------------------------------------
-# 8. The chunked scan
+# 7. The chunked scan
 # ------------------------------------------------------------------------------------------------
-# What the hardware-aware kernels do (seed 000 §2.4; Gu & Dao 2023 §3.3): cut the sequence into
+# The classic two-level scan of GPU programming (the seed's §2.4 and §4.2 chunk the sequence the
+# same way), and the shape of Mamba-2's chunked SSD (mamba2_minimal.py): cut the sequence into
 # chunks of T steps, small enough that a chunk's states fit in fast on-chip memory.
 #
 #   1. Inside every chunk, a parallel scan from a zero state: all chunks at once, as one batch.
 #   2. Each chunk is now one step (P_c, E_c): P_c the product of its a's, E_c its end state.
-#      Carry the state across chunks with the loop, H_c = P_c * H_{c-1} + E_c: only L/T steps.
+#      Carry the state across chunks with the loop, H_c = P_c * H_{c-1} + E_c: only L/T - 1 steps.
 #   3. Correct every chunk by the state carried in: h_t += (a-product from the chunk's start
 #      up to t) * H_{c-1}.
 #
@@ -361,23 +333,29 @@ def _hillis_steele(x, w, reverse=False):
 #   2. carry:          H_0 ────────> H_1 ────────> H_2     L/T dependent steps
 #   3. correct:               += cumprod·H_0  += cumprod·H_1
 #
-# Depth is that of one chunk's scan, plus L/T carry steps, plus one correction; the official
-# kernel pays the L/T steps as a loop inside one kernel, which is why a long sequence costs it
-# little.
+# Depth is that of one chunk's scan, plus L/T - 1 carry steps, plus one correction. The official
+# Mamba-1 kernel is the sequential variant of this scheme: one thread block walks the chunks in
+# order and seeds each chunk's parallel scan with the carried state, so steps 1 and 3 merge, and
+# the L/T carry steps are a loop inside one kernel, which is why a long sequence costs it little.
 #
 # Why T is bounded. Step 3 needs the cumulative product of a inside a chunk. With
 # a_t = exp(Δ_t·A), that product is exp(-Σ Δ_t·|A|), which shrinks geometrically with T. In fp32
 # it leaves the normal range below about 1e-38, i.e. once Σ Δ·|A| > 87, and is 0 past 103. Here
 # that is harmless: the product only multiplies the carried state, and a contribution below 1e-38
-# of it is rounded away anyway (our backward never uses it). It is fatal in the formulations that
+# of it is rounded away anyway (nothing here divides by it). It is fatal in the formulations that
 # divide by it, such as h_t = P_t · Σ_{s<=t} b_s / P_s (one cumsum instead of a scan): 1/P_s
 # overflows to inf and inf·0 gives NaN. fp16 reaches that much sooner: its smallest normal is
 # 6e-5, so the product leaves the normal range once Σ Δ·|A| > 9.7 (about ten steps of Δ·|A| = 1)
 # and 1/P passes fp16's largest number, 65504, soon after (Σ Δ·|A| > 11). bf16 has fp32's range but
 # 8 significant bits: a_t = 0.999 rounds to 1.0, so a long product of rounded factors drifts by
 # about T·2^-9. Hence small chunks, products kept in fp32 (this file accumulates half inputs in
-# fp32), and Mamba-2's ssd_minimal works with sums of logs (`segsum`) and exponentiates only
+# fp32; but a_t must be computed in fp32 too, as mamba_minimal.py does: a 0.999 already rounded
+# to 1.0 in bf16 stays 1.0 however it is accumulated), and Mamba-2's ssd_minimal works with sums of logs (`segsum`) and exponentiates only
 # differences, which never divides.
+
+# chunk_size = 64 by default: a chunk of a typical GPU kernel's size, whose a-products stay in fp32's
+# normal range for Δ·|A| up to about 1.3 per step. The depth, about 2·log2(T) + L/T, is smallest
+# for chunks of a third of L; the work grows with the number of chunks (test_scan.py counts both).
 
 def _chunked(x, w, reverse=False, chunk_size=64):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -385,28 +363,28 @@ def _chunked(x, w, reverse=False, chunk_size=64):
         return _chunked(x.flip(1), w.flip(1), False, chunk_size).flip(1)
     batch, n, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
     T = min(chunk_size, n)  # a short sequence is one chunk of its own length
-    c = -(-n // T)  # number of chunks
-    pad = c * T - n  # identity steps (a = 1, b = 0) at the end change nothing
+    K = -(-n // T)  # number of chunks
+    pad = K * T - n  # identity steps (a = 1, b = 0) at the end change nothing
     one = (batch, 1) + rest
-    m = torch.cat([x.new_zeros(one), w, x.new_ones((batch, pad) + rest)], dim=1)  # (batch, cT, *rest)
+    m = torch.cat([x.new_zeros(one), w, x.new_ones((batch, pad) + rest)], dim=1)  # (batch, K·T, *rest)
     x = torch.cat([x, x.new_zeros((batch, pad) + rest)], dim=1) if pad else x.contiguous()
-    xs, ms = x.view((batch * c, T) + rest), m.view((batch * c, T) + rest)  # every chunk a row
-    _blelloch_(xs, ms[:, 1:])  # 1. (batch*c, T, *rest) every chunk scanned from zero
-    prod = torch.cumprod(ms, dim=1).view((batch, c, T) + rest)  # a-products from each chunk's start
-    xs = xs.view((batch, c, T) + rest)
+    xs, ms = x.view((batch * K, T) + rest), m.view((batch * K, T) + rest)  # every chunk a row
+    _blelloch_(xs, ms[:, 1:])  # 1. (batch*K, T, *rest) every chunk scanned from zero
+    prod = torch.cumprod(ms, dim=1).view((batch, K, T) + rest)  # a-products from each chunk's start
+    xs = xs.view((batch, K, T) + rest)
     carried = [xs[:, 0, -1]]  # 2. (batch, *rest) the state leaving chunk 0
-    for k in range(1, c):
+    for k in range(1, K):
         carried.append(torch.addcmul(xs[:, k, -1], prod[:, k, -1], carried[-1]))
         _level(carried[-1])
-    if c > 1:  # 3. chunks 1.. take the state carried in from the chunk before
-        into = torch.stack(carried[:-1], dim=1).unsqueeze(2)  # (batch, c-1, 1, *rest)
+    if K > 1:  # 3. chunks 1.. take the state carried in from the chunk before
+        into = torch.stack(carried[:-1], dim=1).unsqueeze(2)  # (batch, K-1, 1, *rest)
         xs[:, 1:].addcmul_(prod[:, 1:], into)
         _level(xs[:, 1:])
     return x[:, :n]
 
 
 # ------------------------------------------------------------------------------------------------
-# 9. The backward pass
+# 8. The backward pass
 # ------------------------------------------------------------------------------------------------
 # Let grad_t = dLoss/dh_t coming from outside, and g_t the total gradient reaching h_t, which
 # also flows through every later state: h_{t+1} = a_{t+1}*h_t + b_{t+1} gives
@@ -542,7 +520,7 @@ def scan_chunked(a, b, h0=None, chunk_size=64):
 
 
 # ------------------------------------------------------------------------------------------------
-# 10. torch's associative_scan
+# 9. torch's associative_scan
 # ------------------------------------------------------------------------------------------------
 # torch ships a generic parallel scan, torch._higher_order_ops.associative_scan (a prototype,
 # private API), which takes the combine rule as a Python function. Its combine_mode argument
@@ -550,7 +528,7 @@ def scan_chunked(a, b, h0=None, chunk_size=64):
 # one Triton kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. This
 # project asks for torch >= 2.6 (requirements.txt) and is tested on 2.13. We run it without
 # autograd (its own backward saves far more than a and h) and reuse the reverse-scan backward of
-# section 9, with the Blelloch tree running the reverse scan.
+# section 8, with the Blelloch tree running the reverse scan.
 
 def _combine(left, right):
     (a1, b1), (a2, b2) = left, right
@@ -572,7 +550,11 @@ def _associative(x, w, reverse=False):
     m = torch.cat([torch.ones_like(x[:, :1]), w], dim=1)  # element 0's multiplier is never used
     mode = "pointwise" if x.device.type in ("cuda", "xpu") else "generic"
     with torch.no_grad():
-        _, h = associative_scan(_combine, (m, x), dim=1, combine_mode=mode)
+        try:
+            _, h = associative_scan(_combine, (m, x), dim=1, combine_mode=mode)
+        except TypeError as err:  # a torch from before combine_mode
+            raise RuntimeError(f"backend 'associative' needs associative_scan's combine_mode argument "
+                               f"(torch >= 2.6, see requirements.txt); this is torch {torch.__version__}") from err
     return h.contiguous()
 
 
@@ -587,7 +569,7 @@ def scan_associative(a, b, h0=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 11. One entry point
+# 10. One entry point
 # ------------------------------------------------------------------------------------------------
 # Which backend is fastest depends on the device, the width of one step (batch * prod(rest)) and
 # on whether a backward pass follows. On a GPU the loop pays a kernel launch per step, so the
@@ -622,3 +604,37 @@ def scan(a, b, h0=None, backend="auto"):
     if backend == "auto":
         backend = choose_backend(a, b, h0)
     return _FUNCTIONS[backend](a, b, h0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Appendix: checking the inputs
+# ------------------------------------------------------------------------------------------------
+# What every backend accepts, checked before anything runs; kept here, out of the story's way.
+
+def _shape(t):
+    return tuple(t.shape)
+
+
+def _check_inputs(a, b, h0):
+    """Raise ValueError naming what was expected; return the dtype to accumulate in."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise ValueError(f"a and b must be tensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.shape != b.shape:
+        raise ValueError(f"a and b must have the same shape, got {_shape(a)} and {_shape(b)}")
+    if a.dim() < 2:
+        raise ValueError(f"a and b must have shape (batch, L, ...) with at least 2 dims, got {_shape(a)}")
+    if a.shape[1] == 0:
+        raise ValueError(f"the sequence length (dim 1) must be at least 1, got shape {_shape(a)}")
+    if not a.is_floating_point() or a.dtype != b.dtype:
+        raise ValueError(f"a and b must share one floating dtype, got {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
+    if h0 is not None:
+        expected = (a.shape[0],) + tuple(a.shape[2:])
+        if not isinstance(h0, torch.Tensor) or tuple(h0.shape) != expected:
+            got = _shape(h0) if isinstance(h0, torch.Tensor) else type(h0).__name__
+            raise ValueError(f"h0 must have shape (batch, *rest) = {expected}, got {got}")
+        if h0.device != a.device:
+            raise ValueError(f"h0 must be on {a.device}, got {h0.device}")
+    # half precision is accumulated in fp32: see section 1
+    return torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
