@@ -424,7 +424,8 @@ def bench_train(args, device):
     for name, kw in [("mamba sequential", dict(scan_backend="sequential")),
                      ("mamba pscan", dict(scan_backend="pscan")),
                      ("mamba chunked eager", dict(scan_backend="chunked")),
-                     ("mamba chunked compiled", dict(compile_scan=True))]:
+                     ("mamba chunked compiled", dict(compile_scan=True)),
+                     ("mamba d_state 4 (trainer's CPU default)", dict(d_state=4))]:
         torch.manual_seed(0)
         models[name] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab, **kw)).to(device)
     torch.manual_seed(0)

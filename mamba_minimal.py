@@ -169,6 +169,10 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
 # ------------------------------------------------------------------------------------------------
 # 3. The block
 # ------------------------------------------------------------------------------------------------
+# The mixer around the selective scan (the paper's Figure 3, §3.4): project up, a short causal
+# conv, Δ, B and C from its output, the scan, the gate, project down. Its forward can also hand
+# back the layer's state, and its step advances that state by one token: both belong to
+# section 5 (recurrent inference), which says what the state is and why it is all a layer needs.
 
 @dataclass
 class MambaConfig:

@@ -406,8 +406,9 @@ def _chunked(x, w, reverse=False, chunk_size=64):
 # output, whose own gradient comes back here. The recorded path is used only then; a plain
 # backward keeps the lean in-place one.
 #
-# Forward-mode (torch.func.jvp) is a scan too: a tangent (da, db, dh0) moves the states by
-#     dh_t = a_t * dh_{t-1} + (da_t * h_{t-1} + db_t),    dh_{-1} = dh0.
+# Forward-mode (torch.func.jvp) is a scan too: tangents (ȧ, ḃ, ḣ0) of the inputs move the states by
+#     ḣ_t = a_t * ḣ_{t-1} + (ȧ_t * h_{t-1} + ḃ_t),    ḣ_{-1} = ḣ0,
+# the same recurrence with the forcing term ȧ_t * h_{t-1} + ḃ_t.
 
 def _previous_states(h, h0):
     """(batch, L, *rest): h_{t-1} for every t, with h0 (or zeros) before the first step."""
@@ -478,13 +479,13 @@ class _ScanFunction(torch.autograd.Function):
         return (*grads, None) + (None,) * len(ctx.extra)
 
     @classmethod
-    def jvp(cls, ctx, da, db, dh0, *_):
+    def jvp(cls, ctx, tan_a, tan_b, tan_h0, *_):
         a, h, h0 = ctx.saved_tensors
         dtype = h.dtype
-        c = torch.zeros_like(h) if db is None else db.to(dtype)  # (batch, L, *rest)
-        if da is not None:
-            c = c + da.to(dtype) * _previous_states(h, h0)
-        return cls.apply(a, c, None if dh0 is None else dh0.to(dtype), dtype, *ctx.extra)
+        forcing = torch.zeros_like(h) if tan_b is None else tan_b.to(dtype)  # (batch, L, *rest)
+        if tan_a is not None:
+            forcing = forcing + tan_a.to(dtype) * _previous_states(h, h0)
+        return cls.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, *ctx.extra)
 
 
 class _PScan(_ScanFunction):
@@ -575,12 +576,13 @@ def scan_associative(a, b, h0=None):
 # on whether a backward pass follows. On a GPU the loop pays a kernel launch per step, so the
 # tree wins. On a CPU with a backward pass the tree wins too, 1.7x to 12x in the README's table
 # ("h = scan(a, b)"), because the loop's autograd graph records L small steps. Forward only, the
-# loop reads each input once and catches up as a step gets wider: `python bench.py crossover`
-# (L = 1024, one thread, the README's machine) found the two level at width 4096 and the loop
-# 1.3x to 1.5x ahead from 8192 on, hence the threshold below. It is set for one thread: with two
-# threads on the same machine, while other jobs kept both cores busy, the loop was ahead at every
-# width (pscan's many small strided ops each pay a thread handoff). Hillis-Steele and the chunked
-# scan are here to teach and to count; on a CPU they are slower than pscan (README, same table).
+# loop reads each input once and catches up as a step gets wider, on one thread only.
+# `python bench.py crossover` (L = 1024, forward only, the README's machine, quiet) found, with
+# one thread, the two level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x at 16384,
+# 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every width
+# (its time over the loop's 0.27 at width 1024 to 0.85 at 16384), so the loop is chosen only
+# where torch runs one thread. Hillis-Steele and the chunked scan are here to teach and to
+# count; on a CPU they are slower than pscan (README, "h = scan(a, b)").
 
 CPU_LOOP_MIN_WIDTH = 8192
 
@@ -594,11 +596,12 @@ def choose_backend(a, b, h0=None):
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (a, b, h0))
     wide = a[:, 0].numel() >= CPU_LOOP_MIN_WIDTH
-    return "sequential" if a.device.type == "cpu" and wide and not needs_grad else "pscan"
+    one_thread = torch.get_num_threads() == 1
+    return "sequential" if a.device.type == "cpu" and wide and one_thread and not needs_grad else "pscan"
 
 
 def scan(a, b, h0=None, backend="auto"):
-    """Run the recurrence with the chosen backend; "auto" picks by device, width and autograd."""
+    """Run the recurrence with the chosen backend; "auto" picks by device, width, threads and autograd."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":

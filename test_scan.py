@@ -294,10 +294,21 @@ def test_chunked_is_exact_when_the_chunk_product_underflows(dtype):
     assert torch.isnan(P * torch.cumsum(b.float()[:, :64] / P, dim=1)).any()
 
 
-def test_auto_chooses_the_loop_only_for_wide_cpu_forward_passes():
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_auto_chooses_the_loop_only_for_wide_cpu_forward_passes_on_one_thread(one_thread):
     wide = make_inputs(1, 5, (ps.CPU_LOOP_MIN_WIDTH,), dtype=torch.float32)
     narrow = make_inputs(1, 5, (16,), dtype=torch.float32)
     assert ps.choose_backend(*wide) == "sequential"
+    torch.set_num_threads(2)  # measured: with two threads pscan is ahead at every width
+    assert ps.choose_backend(*wide) == "pscan"
+    torch.set_num_threads(1)
     assert ps.choose_backend(*narrow) == "pscan"
     for i in range(3):  # a gradient wrt any input: the loop would record L autograd steps
         inputs = list(wide)
@@ -309,7 +320,7 @@ def test_auto_chooses_the_loop_only_for_wide_cpu_forward_passes():
     assert ps.choose_backend(*meta) == "pscan"
 
 
-def test_auto_runs_the_backend_it_chose():
+def test_auto_runs_the_backend_it_chose(one_thread):
     # told apart by their depth: the loop runs L dependent levels, pscan about 2*log2(L)
     a, b, h0 = make_inputs(1, 64, (ps.CPU_LOOP_MIN_WIDTH,), dtype=torch.float32)
     with ps.count_combines() as levels:
