@@ -3,7 +3,7 @@ mamba2_minimal.py: Mamba-2 (Dao & Gu, 2024, arXiv 2405.21060) in plain PyTorch, 
 the official checkpoints (state-spaces/mamba2-*) and with transformers' Mamba2ForCausalLM.
 
 Mamba-1 (mamba_minimal.py) runs its recurrence one step at a time, or as a parallel scan over
-tensors of shape (B, L, ED, N). Mamba-2 restricts A to a scalar per head. That one restriction
+tensors of shape (b, L, ED, N). Mamba-2 restricts A to a scalar per head. That one restriction
 makes the recurrence equal to a matrix product, "attention" with a decay mask instead of a
 softmax (state space duality, SSD), so most of the work becomes matmuls, which every device does
 best; a scan is left only across chunks of the sequence. Sections, in the order of the idea:
@@ -15,19 +15,20 @@ best; a scan is left only across chunks of the sequence. Sections, in the order 
     5. Recurrent inference     prefill, an O(1) step per token, generate (Mamba-1's sampling)
     6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
 
-Glossary (code name: paper symbol, meaning). Shape comments use the capital letters.
+Glossary (code name: paper symbol, meaning). One name, one meaning, as in mamba_minimal.py:
+B is always the input matrix, never the batch.
 
-    b        batch size                                   (B in the shape comments)
+    b        batch size
     L        sequence length
     H        number of heads, nheads = d_ssm / headdim
     P        head dimension, headdim (a head's channels share one A and one Δ)
-    G, N     ngroups and d_state: B and C are (B, L, G, N), shared by the H/G heads of a group
-    x        the input of the SSM, per head                    (B, L, H, P)
-    dt       Δ, the step size, one per token and head          (B, L, H)
+    G, N     ngroups and d_state: B and C are (b, L, G, N), shared by the H/G heads of a group
+    x        the input of the SSM, per head                    (b, L, H, P)
+    dt       Δ, the step size, one per token and head          (b, L, H)
     A        a negative scalar per head                        (H,)
-    B, C     input and output projections of the state         (B, L, G, N)
+    B, C     input and output projections of the state         (b, L, G, N)
     D        the skip y += D·x, per head                       (H,)
-    h        the state of one head, a P x N matrix             (B, H, P, N)
+    h        the state of one head, a P x N matrix             (b, H, P, N)
     T        chunk_size, the length of one chunk in ssd()
 
 Read mamba_minimal.py and pscan.py first: this file reuses their RMSNorm, causal conv, LM
@@ -72,12 +73,12 @@ def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
             raise ValueError(f"{name} must be a floating-point tensor, got "
                              f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
     if x.dim() != 4:
-        raise ValueError(f"x must have shape (B, L, H, P), got {tuple(x.shape)}")
+        raise ValueError(f"x must have shape (b, L, H, P), got {tuple(x.shape)}")
     b, L, H, P = x.shape
     if L == 0:
         raise ValueError(f"the sequence length must be at least 1, got x of shape {tuple(x.shape)}")
     if B.dim() != 4 or tuple(B.shape[:2]) != (b, L):
-        raise ValueError(f"B must have shape (B, L, G, N) = ({b}, {L}, G, N), got {tuple(B.shape)}")
+        raise ValueError(f"B must have shape (b, L, G, N) = ({b}, {L}, G, N), got {tuple(B.shape)}")
     G, N = B.shape[2:]
     if H % G != 0:
         raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
@@ -105,28 +106,28 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
     """The SSD recurrence as a loop over t: slow, obviously right, the oracle of the tests.
 
     Args:
-        x:  (B, L, H, P)   input, per head
-        dt: (B, L, H)      step size Δ (after softplus), positive
+        x:  (b, L, H, P)   input, per head
+        dt: (b, L, H)      step size Δ (after softplus), positive
         A:  (H,)           negative scalar per head
-        B, C: (B, L, G, N) input and output projections, G groups
+        B, C: (b, L, G, N) input and output projections, G groups
         D:  (H,) or None   skip connection
-        h0: (B, H, P, N) or None for zeros
+        h0: (b, H, P, N) or None for zeros
     Returns:
-        y: (B, L, H, P) in x's dtype; with return_last_state also the final state (B, H, P, N)
+        y: (b, L, H, P) in x's dtype; with return_last_state also the final state (b, H, P, N)
     """
     _check_ssd_inputs(x, dt, A, B, C, D, h0)
     out_dtype = x.dtype
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     H, G = x.shape[2], B.shape[2]
-    B, C = (t.repeat_interleave(H // G, dim=2) for t in (B, C))  # (B, L, H, N): head k reads group k // (H/G)
-    h = x.new_zeros(*x.shape[:1], *x.shape[2:], B.shape[-1]) if h0 is None else h0.to(x.dtype)  # (B, H, P, N)
+    B, C = (t.repeat_interleave(H // G, dim=2) for t in (B, C))  # (b, L, H, N): head k reads group k // (H/G)
+    h = x.new_zeros(*x.shape[:1], *x.shape[2:], B.shape[-1]) if h0 is None else h0.to(x.dtype)  # (b, H, P, N)
     ys = []
     # unbind, not x[:, t]: see pscan.py section 1 (indexing makes the backward quadratic in L)
     for x_t, dt_t, B_t, C_t in zip(x.unbind(1), dt.unbind(1), B.unbind(1), C.unbind(1)):
-        decay = torch.exp(dt_t * A)  # (B, H)
-        h = decay[..., None, None] * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]  # (B, H, P, N)
-        ys.append((h @ C_t[..., None]).squeeze(-1))  # (B, H, P)  y_t = h_t·C_t
-    y = torch.stack(ys, dim=1)  # (B, L, H, P)
+        decay = torch.exp(dt_t * A)  # (b, H)
+        h = decay[..., None, None] * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]  # (b, H, P, N)
+        ys.append((h @ C_t[..., None]).squeeze(-1))  # (b, H, P)  y_t = h_t·C_t
+    y = torch.stack(ys, dim=1)  # (b, L, H, P)
     if D is not None:
         y = y + D.to(x.dtype)[:, None] * x
     return (y.to(out_dtype), h) if return_last_state else y.to(out_dtype)
@@ -231,9 +232,9 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
     out_dtype = x.dtype
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     G = B.shape[2]
-    xdt = _head_major(x * dt[..., None], G)  # (B, G, H/G, L, P)
-    a = _head_major_scalar(dt * A, G)  # (B, G, H/G, L)
-    y = _time_major(_quadratic(xdt, a, _group_major(B), _group_major(C)))  # (B, L, H, P)
+    xdt = _head_major(x * dt[..., None], G)  # (b, G, H/G, L, P)
+    a = _head_major_scalar(dt * A, G)  # (b, G, H/G, L)
+    y = _time_major(_quadratic(xdt, a, _group_major(B), _group_major(C)))  # (b, L, H, P)
     if D is not None:
         y = y + D.to(x.dtype)[:, None] * x
     return y.to(out_dtype)
@@ -270,16 +271,16 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     """Chunked SSD: y = SSD(Δ, A, B, C)(x) + D·x.
 
     Args:
-        x:  (B, L, H, P)   input, per head
-        dt: (B, L, H)      step size Δ (after softplus), positive
+        x:  (b, L, H, P)   input, per head
+        dt: (b, L, H)      step size Δ (after softplus), positive
         A:  (H,)           negative scalar per head
-        B, C: (B, L, G, N) input and output projections, G groups (H a multiple of G)
+        B, C: (b, L, G, N) input and output projections, G groups (H a multiple of G)
         chunk_size:        T, the length of a chunk; any L works
         D:  (H,) or None   skip connection
-        h0: (B, H, P, N) or None for zeros
+        h0: (b, H, P, N) or None for zeros
         scan_backend:      pscan.scan's backend for the recurrence across chunks
     Returns:
-        y: (B, L, H, P) in x's dtype; with return_last_state also the final state (B, H, P, N),
+        y: (b, L, H, P) in x's dtype; with return_last_state also the final state (b, H, P, N),
         computed in fp32 (fp64 for fp64 inputs), a tensor of its own (not a view of a larger one)
     """
     _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size)
@@ -293,40 +294,40 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     if pad:  # identity steps: Δ = 0 (and x, B, C = 0, so nothing is read or written)
         x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
     n_chunks = (L + pad) // T
-    xdt = _head_major((x * dt[..., None]).reshape(b, n_chunks, T, H, P), G)  # (B, c, G, H/G, T, P)
-    a = _head_major_scalar((dt * A).reshape(b, n_chunks, T, H), G)  # (B, c, G, H/G, T)  log-decays
-    Bc = _group_major(B.reshape(b, n_chunks, T, G, N))  # (B, c, G, 1, T, N)
-    Cc = _group_major(C.reshape(b, n_chunks, T, G, N))  # (B, c, G, 1, T, N)
+    xdt = _head_major((x * dt[..., None]).reshape(b, n_chunks, T, H, P), G)  # (b, c, G, H/G, T, P)
+    a = _head_major_scalar((dt * A).reshape(b, n_chunks, T, H), G)  # (b, c, G, H/G, T)  log-decays
+    Bc = _group_major(B.reshape(b, n_chunks, T, G, N))  # (b, c, G, 1, T, N)
+    Cc = _group_major(C.reshape(b, n_chunks, T, G, N))  # (b, c, G, 1, T, N)
 
     # 1. every chunk on its own, from a zero state
-    y = _quadratic(xdt, a, Bc, Cc)  # (B, c, G, H/G, T, P)
+    y = _quadratic(xdt, a, Bc, Cc)  # (b, c, G, H/G, T, P)
 
     # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
         # 2. every chunk's end state from a zero state, each input decayed to the chunk's end
-        decay_from_start = torch.exp(a.cumsum(-1))  # (B, c, G, H/G, T)  exp(a_1 + ... + a_t)
-        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (B, c, G, H/G, T)  a_{t+1} + ... + a_T
-        states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (B, c, G, H/G, P, N)
+        decay_from_start = torch.exp(a.cumsum(-1))  # (b, c, G, H/G, T)  exp(a_1 + ... + a_t)
+        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, G, H/G, T)  a_{t+1} + ... + a_T
+        states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (b, c, G, H/G, P, N)
 
         # 3. across chunks: h_c = exp(a_1 + ... + a_T)·h_{c-1} + S_c, with pscan.scan over c
-        chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (B, c, G, H/G, P, N)
-        h_start = None if h0 is None else h0.to(x.dtype).reshape(b, G, H // G, P, N)  # (B, G, H/G, P, N)
-        h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (B, c, G, H/G, P, N)
+        chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (b, c, G, H/G, P, N)
+        h_start = None if h0 is None else h0.to(x.dtype).reshape(b, G, H // G, P, N)  # (b, G, H/G, P, N)
+        h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (b, c, G, H/G, P, N)
         first = torch.zeros_like(h[:, :1]) if h_start is None else h_start.unsqueeze(1)
-        h_in = torch.cat([first, h[:, :-1]], dim=1)  # (B, c, G, H/G, P, N)  the state entering each chunk
+        h_in = torch.cat([first, h[:, :-1]], dim=1)  # (b, c, G, H/G, P, N)  the state entering each chunk
 
         # 4. what the carried-in state adds to each output, decayed to its position
-        y = y + (Cc @ h_in.transpose(-1, -2)) * decay_from_start[..., None]  # (B, c, G, H/G, T, P)
+        y = y + (Cc @ h_in.transpose(-1, -2)) * decay_from_start[..., None]  # (b, c, G, H/G, T, P)
 
-    y = _time_major(y).reshape(b, n_chunks * T, H, P)[:, :L]  # (B, L, H, P)
+    y = _time_major(y).reshape(b, n_chunks * T, H, P)[:, :L]  # (b, L, H, P)
     if D is not None:
         y = y + D.to(x.dtype)[:, None] * x[:, :L]
     y = y.to(out_dtype)
     if not return_last_state:
         return y
     # h[:, -1] is a view that would keep every chunk's state alive: copy the one we return
-    return y, h[:, -1].reshape(b, H, P, N).clone(memory_format=torch.contiguous_format)  # (B, H, P, N)
+    return y, h[:, -1].reshape(b, H, P, N).clone(memory_format=torch.contiguous_format)  # (b, H, P, N)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,25 +494,25 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(self.out_proj.weight.dtype))  # (..., D)
 
     def forward(self, u, want_cache=False):
-        """u: (B, L, D) -> (B, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
+        """u: (b, L, D) -> (b, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
         cfg = self.cfg
         b, L, _ = u.shape
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
-        z0, x0, z, xBC_in, dt = self._split(self.in_proj(u))  # z (B, L, d_ssm), xBC (B, L, conv_dim), dt (B, L, H)
-        xBC = F.silu(self.causal_conv(xBC_in))  # (B, L, conv_dim)
+        z0, x0, z, xBC_in, dt = self._split(self.in_proj(u))  # z (b, L, d_ssm), xBC (b, L, conv_dim), dt (b, L, H)
+        xBC = F.silu(self.causal_conv(xBC_in))  # (b, L, conv_dim)
         x, B, C = xBC.split([cfg.d_ssm, G * N, G * N], dim=-1)
         y = ssd(x.unflatten(-1, (H, P)), self._delta(dt), self.A, B.unflatten(-1, (G, N)),
                 C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, return_last_state=want_cache,
-                scan_backend=cfg.scan_backend)  # (B, L, H, P); with want_cache also the state (B, H, P, N)
+                scan_backend=cfg.scan_backend)  # (b, L, H, P); with want_cache also the state (b, H, P, N)
         y, h_last = y if want_cache else (y, None)
-        out = self._finish(y.flatten(-2), z, z0, x0)  # (B, L, D)
+        out = self._finish(y.flatten(-2), z, z0, x0)  # (b, L, D)
         if not want_cache:
             return out
         # the conv's rolling buffer: the last d_conv inputs, zeros before the first token; a
         # fresh tensor, so the cache does not keep the prompt's activations alive
         conv_state = F.pad(xBC_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]
         conv_state = conv_state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
-        return out, (conv_state, h_last)  # (B, conv_dim, d_conv), (B, H, P, N)
+        return out, (conv_state, h_last)  # (b, conv_dim, d_conv), (b, H, P, N)
 
     def cache_spec(self, batch):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
@@ -522,50 +523,26 @@ class Mamba2Mixer(nn.Module):
                  _at_least_fp32(self.A_log).dtype))
 
     def step(self, u, cache):
-        """One token (the official Mamba2.step without its kernels). u: (B, D);
-        cache = (conv_state, ssm_state), updated in place. -> (B, D)"""
+        """One token (the official Mamba2.step without its kernels). u: (b, D);
+        cache = (conv_state, ssm_state), updated in place. -> (b, D)"""
         cfg = self.cfg
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
-        conv_state, ssm_state = cache  # (B, conv_dim, d_conv), (B, H, P, N)
-        z0, x0, z, xBC, dt = self._split(self.in_proj(u))  # (B, ...) each
+        conv_state, ssm_state = cache  # (b, conv_dim, d_conv), (b, H, P, N)
+        z0, x0, z, xBC, dt = self._split(self.in_proj(u))  # (b, ...) each
         conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
         conv_state[:, :, -1] = xBC
-        xBC = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (B, conv_dim) the conv at one position
+        xBC = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, conv_dim) the conv at one position
         if self.conv1d.bias is not None:
             xBC = xBC + self.conv1d.bias
         x, B, C = F.silu(xBC).split([cfg.d_ssm, G * N, G * N], dim=-1)
-        delta = self._delta(dt).to(ssm_state.dtype)  # (B, H)
-        x = x.unflatten(-1, (H, P)).to(ssm_state.dtype)  # (B, H, P)
+        delta = self._delta(dt).to(ssm_state.dtype)  # (b, H)
+        x = x.unflatten(-1, (H, P)).to(ssm_state.dtype)  # (b, H, P)
         B, C = (t.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=1).to(ssm_state.dtype)
-                for t in (B, C))  # (B, H, N) each: head k reads group k // (H/G)
-        decay = torch.exp(delta * self.A.to(ssm_state.dtype))  # (B, H)
+                for t in (B, C))  # (b, H, N) each: head k reads group k // (H/G)
+        decay = torch.exp(delta * self.A.to(ssm_state.dtype))  # (b, H)
         ssm_state.copy_(decay[..., None, None] * ssm_state + (delta[..., None] * x)[..., None] * B[:, :, None, :])
-        y = (ssm_state @ C[..., None]).squeeze(-1) + self.D.to(x.dtype)[:, None] * x  # (B, H, P)
-        return self._finish(y.flatten(-2), z, z0, x0)  # (B, D)
-
-
-class Mamba2Block(nn.Module):
-    """Pre-norm residual block h = h + mixer(norm(h)), as mamba_minimal.Block; fp32 residual."""
-
-    def __init__(self, cfg: Mamba2Config):
-        super().__init__()
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)
-        self.mixer = Mamba2Mixer(cfg)
-        self.residual_in_fp32 = cfg.residual_in_fp32
-
-    _residual = mm.Block._residual
-    forward = mm.Block.forward
-    step = mm.Block.step
-
-
-class Mamba2Backbone(nn.Module):
-    """embedding, layers, norm_f: the official MixerModel's names."""
-
-    def __init__(self, cfg: Mamba2Config):
-        super().__init__()
-        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)  # no padding_idx
-        self.layers = nn.ModuleList(Mamba2Block(cfg) for _ in range(cfg.n_layer))
-        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon)
+        y = (ssm_state @ C[..., None]).squeeze(-1) + self.D.to(x.dtype)[:, None] * x  # (b, H, P)
+        return self._finish(y.flatten(-2), z, z0, x0)  # (b, D)
 
 
 class Mamba2LM(mm.MambaLM):
@@ -573,26 +550,20 @@ class Mamba2LM(mm.MambaLM):
     backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{in_proj, conv1d,
     dt_bias, A_log, D, norm, out_proj}, backbone.norm_f, lm_head.
 
-    From MambaLM, unchanged: forward (logits (B, L, padded_vocab)), prefill, generate,
+    From MambaLM, unchanged: forward (logits (b, L, padded_vocab)), prefill, generate,
     generate_stream, optim_groups (no weight decay on A_log, D, dt_bias, norms, biases: every
     1-D parameter) and _init_weights (mixer_seq_simple's: Linear biases zero, embedding
     N(0, 0.02), out_proj kaiming-uniform divided by sqrt(n_layer), then the SSM parameters).
     """
 
     def __init__(self, cfg: Mamba2Config):
-        nn.Module.__init__(self)  # MambaLM.__init__ would build Mamba-1 blocks
-        self.cfg = cfg
-        self.backbone = Mamba2Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.backbone.embedding.weight
-        self._init_weights()
+        super().__init__(cfg, mixer_cls=Mamba2Mixer)  # Block and MixerModel as in Mamba-1
 
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
-    # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (B, conv_dim, d_conv)
-    # and the SSM state (B, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
+    # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (b, conv_dim, d_conv)
+    # and the SSM state (b, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
     # SSD over the prompt and returns both; each further token is one O(1) step. MambaLM's
     # prefill, step and generate run it unchanged: step checks the cache against each mixer's
     # cache_spec, then calls Mamba2Mixer.step layer by layer.

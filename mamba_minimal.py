@@ -366,10 +366,10 @@ class MambaMixer(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: h = h + mixer(norm(h)); the residual stream stays fp32."""
 
-    def __init__(self, cfg: MambaConfig):
+    def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer):
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_epsilon)
-        self.mixer = MambaMixer(cfg)
+        self.mixer = mixer_cls(cfg)  # mamba2_minimal.py passes its Mamba2Mixer, as the official create_block does
         self.residual_in_fp32 = cfg.residual_in_fp32
 
     def _residual(self, h):
@@ -389,10 +389,10 @@ class Block(nn.Module):
 class MixerModel(nn.Module):
     """The backbone: embedding, blocks, final norm (module names as in the official code)."""
 
-    def __init__(self, cfg: MambaConfig):
+    def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer):
         super().__init__()
         self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)  # no padding_idx
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, mixer_cls) for _ in range(cfg.n_layer))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_epsilon)
 
 
@@ -400,10 +400,10 @@ class MambaLM(nn.Module):
     """Language model with the official MambaLMHeadModel's module tree:
     backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.*, backbone.norm_f, lm_head."""
 
-    def __init__(self, cfg: MambaConfig):
+    def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer):
         super().__init__()
         self.cfg = cfg
-        self.backbone = MixerModel(cfg)
+        self.backbone = MixerModel(cfg, mixer_cls)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight

@@ -218,13 +218,13 @@ def _bad(change):
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda k: {"x": k["x"][0]}, r"x must have shape \(B, L, H, P\)"),
+    (lambda k: {"x": k["x"][0]}, r"x must have shape \(b, L, H, P\)"),
     (lambda k: {"x": k["x"][:, :0], "dt": k["dt"][:, :0], "B": k["B"][:, :0], "C": k["C"][:, :0]},
      "sequence length must be at least 1"),
     (lambda k: {"dt": k["dt"][:, :-1]}, r"dt must have shape \(2, 7, 4\)"),
     (lambda k: {"A": k["A"][:3]}, r"A must have shape \(4,\)"),
     (lambda k: {"B": k["B"][:, :, :1].expand(2, 7, 3, 5)}, "multiple of the number of groups G = 3"),
-    (lambda k: {"B": k["B"][:, :5]}, r"B must have shape \(B, L, G, N\) = \(2, 7, G, N\)"),
+    (lambda k: {"B": k["B"][:, :5]}, r"B must have shape \(b, L, G, N\) = \(2, 7, G, N\)"),
     (lambda k: {"C": k["C"][..., :4]}, r"C must have shape \(2, 7, 2, 5\)"),
     (lambda k: {"D": k["D"][:2]}, r"D must have shape \(4,\)"),
     (lambda k: {"h0": k["h0"][..., :4]}, r"h0 must have shape \(2, 4, 3, 5\)"),
