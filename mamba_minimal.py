@@ -797,16 +797,11 @@ COMPILE_MODES = (False, True, "loop")
 
 def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
                    return_last_state=False, chunk_size=16, recompute=True):
-    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z).
+    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z): selective_scan_reference
+    or this section's fused path, with the same numbers to rounding.
 
     Args:
-        x:       (b, L, ED)  input
-        delta:   (b, L, ED)  step size Δ (after softplus)
-        A:       (ED, N)     diagonal state matrix, negative
-        B, C:    (b, L, N)   input and output matrices
-        D:       (ED,)       skip connection, or None
-        z:       (b, L, ED)  gate, or None
-        h0:      (b, ED, N)  initial state, or None for zeros
+        x, delta, A, B, C, D, z, h0: as in selective_scan_reference (section 2)
         backend: "sequential", "pscan", "hillis_steele", "associative" (selective_scan_reference:
                  pscan.py over materialized tensors), "chunked" (the fused path of this section)
                  or "auto" (pscan.scan's choice)
