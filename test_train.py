@@ -636,44 +636,10 @@ GPT_TINY = ["--arch", "gpt", "--d-model", "16", "--n-layer", "1", "--n-head", "2
             "--no-sample"]
 
 
-def test_gpt_trains_resumes_and_samples_on_the_same_windows(text_file, tmp_path, capsys, monkeypatch):
-    common = ["--data", text_file, "--max-iters", "20", "--eval-interval", "5"] + GPT_TINY
-    straight = str(tmp_path / "straight")
-    run(common + ["--out-dir", straight], capsys)
-    rows = evals(straight)
-    val = [r["val_loss"] for r in rows if "val_loss" in r]
-    assert len(val) == 4 and val[-1] < val[0] - 0.3
-    ckpt = torch.load(os.path.join(straight, "best.pt"), weights_only=True)
-    assert ckpt["arch"] == "gpt" and ckpt["config"]["n_head"] == 2
-    groups = ckpt["optimizer"]["param_groups"]
-    assert [(tuple(g["betas"]), g["weight_decay"]) for g in groups] == [((0.9, 0.99), 0.1), ((0.9, 0.99), 0.0)]
-    # the log's val loss is the loss of that model on the windows rebuilt here, as for Mamba
-    from bench import GPTConfig, TinyGPT
-    model = TinyGPT(GPTConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["model"])
-    x, y, vocab = val_windows(text_file, block=16, n_windows=8)
-    with torch.no_grad():
-        loss = torch.nn.functional.cross_entropy(model.eval()(x).flatten(0, 1), y.flatten()).item()
-    assert loss == pytest.approx(min(val), abs=1e-5)
-    # resume picks the architecture from the checkpoint
-    broken = str(tmp_path / "broken")
-    with monkeypatch.context() as m:
-        killed_at(m, 12)
-        with pytest.raises(KeyboardInterrupt):
-            run(common + ["--out-dir", broken], capsys)
-    run(["--data", text_file, "--out-dir", broken, "--resume", "--max-iters", "20", "--eval-interval", "5"]
-        + without(GPT_TINY, "--arch"), capsys)
-    assert without_elapsed(evals(broken)) == without_elapsed(rows)
-    out = run(["--sample", "--out-dir", straight, "--prompt", "First", "--num-chars", "40"], capsys)
-    assert out.startswith("First") and len(out) == len("First") + 40 + 1
-    with pytest.raises(SystemExit, match="holds a gpt model, not mamba"):
-        ts.main(["--data", text_file, "--out-dir", broken, "--resume", "--arch", "mamba"])
-
-
-def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypatch):
-    pytest.importorskip("mamba2_minimal")
-    from mamba2_minimal import Mamba2Config, Mamba2LM
-    tiny = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
+def trains_resumes_and_samples(arch, tiny, build, text_file, tmp_path, capsys, monkeypatch):
+    """What every --arch must do, checked the same way: learn, log val losses that its saved best
+    model reproduces on windows rebuilt here, resume into the uninterrupted run's exact log with
+    the architecture read from the checkpoint, and sample. Returns the best checkpoint."""
     common = ["--data", text_file, "--max-iters", "20", "--eval-interval", "5"] + tiny
     straight = str(tmp_path / "straight")
     run(common + ["--out-dir", straight], capsys)
@@ -681,9 +647,8 @@ def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypa
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(val) == 4 and val[-1] < val[0] - 0.3
     ckpt = torch.load(os.path.join(straight, "best.pt"), weights_only=True)
-    assert ckpt["arch"] == "mamba2"
-    assert (ckpt["config"]["headdim"], ckpt["config"]["d_state"], ckpt["config"]["d_model"]) == (8, 8, 16)
-    model = Mamba2LM(Mamba2Config(**ckpt["config"]))
+    assert ckpt["arch"] == arch
+    model = build(ckpt["config"])
     model.load_state_dict(ckpt["model"])
     x, y, vocab = val_windows(text_file, block=16, n_windows=8)
     with torch.no_grad():
@@ -700,6 +665,28 @@ def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypa
     assert without_elapsed(evals(broken)) == without_elapsed(rows)
     out = run(["--sample", "--out-dir", straight, "--prompt", "First", "--num-chars", "40"], capsys)
     assert out.startswith("First") and len(out) == len("First") + 40 + 1
+    if arch != "mamba":
+        with pytest.raises(SystemExit, match=f"holds a {arch} model, not mamba"):
+            ts.main(["--data", text_file, "--out-dir", broken, "--resume", "--arch", "mamba"])
+    return ckpt
+
+
+def test_gpt_trains_resumes_and_samples_on_the_same_windows(text_file, tmp_path, capsys, monkeypatch):
+    from bench import GPTConfig, TinyGPT
+    ckpt = trains_resumes_and_samples("gpt", GPT_TINY, lambda config: TinyGPT(GPTConfig(**config)),
+                                      text_file, tmp_path, capsys, monkeypatch)
+    assert ckpt["config"]["n_head"] == 2
+    groups = ckpt["optimizer"]["param_groups"]
+    assert [(tuple(g["betas"]), g["weight_decay"]) for g in groups] == [((0.9, 0.99), 0.1), ((0.9, 0.99), 0.0)]
+
+
+def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("mamba2_minimal")
+    from mamba2_minimal import Mamba2Config, Mamba2LM
+    tiny = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
+    ckpt = trains_resumes_and_samples("mamba2", tiny, lambda config: Mamba2LM(Mamba2Config(**config)),
+                                      text_file, tmp_path, capsys, monkeypatch)
+    assert (ckpt["config"]["headdim"], ckpt["config"]["d_state"], ckpt["config"]["d_model"]) == (8, 8, 16)
 
 
 # ------------------------------------------------------------------------------------------------
