@@ -1,17 +1,18 @@
 """
 train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
 
-    python train_shakespeare.py                              # train with defaults for this device
-    python train_shakespeare.py --max-time 300               # train for 5 minutes, whatever the machine
+    python train_shakespeare.py                              # on a CPU: 5 minutes of training, any machine
+    python train_shakespeare.py --max-iters 1000             # a fixed number of steps instead
     python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
 The script reads top to bottom: settings, data, the models (--arch mamba, mamba2 or gpt), evaluation,
 sampling, then the whole run: set up or resume, the loop, the end.
-A run is either iteration-based (--max-iters: bit-reproducible, the learning rate follows the step)
-or time-based (--max-time: the learning rate, the evaluations and the stop follow the fraction of
-the time budget spent, so the same curve fits a fast and a slow machine).
+A run is either time-based (--max-time, the CPU default of 300 s: the learning rate's decay, the
+evaluations and the stop follow the fraction of the time budget spent, so the same curve fits a
+fast and a slow machine) or iteration-based (--max-iters: bit-reproducible, the learning rate
+follows the step). Both warm up over --warmup-iters steps.
 Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
 (one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
 files there. --resume continues the exact run (the batches, the patience counter, the time
