@@ -35,6 +35,7 @@ Read mamba_minimal.py and pscan.py first: this file reuses their RMSNorm, causal
 wrapper, sampling and checkpoint helpers, and pscan.scan for the recurrence across chunks.
 """
 
+import functools
 import json
 import math
 import os
@@ -362,8 +363,10 @@ class Mamba2Config:
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
-    # how to run the recurrence across chunks (not part of a checkpoint's identity)
+    # how to run it (not part of a checkpoint's identity): pscan.scan's backend for the recurrence
+    # across chunks, and whether the mixer's forward goes through torch.compile (see the mixer)
     scan_backend: str = "auto"
+    compile_mixer: bool = False
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim",
@@ -386,6 +389,8 @@ class Mamba2Config:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
+        if not isinstance(self.compile_mixer, bool):
+            raise ValueError(f"Mamba2Config.compile_mixer must be True or False, got {self.compile_mixer!r}")
 
     @property
     def d_inner(self):
@@ -493,8 +498,26 @@ class Mamba2Mixer(nn.Module):
             y = torch.cat([F.silu(z0) * x0, y.to(x0.dtype)], dim=-1)  # (..., d_inner)
         return self.out_proj(y.to(self.out_proj.weight.dtype))  # (..., D)
 
+    # Opt-in speed: cfg.compile_mixer runs this forward through torch.compile. Chunked SSD has
+    # already turned the sequence work into matmuls; what is left to win on a CPU is the
+    # elementwise work around them (the conv's multiply-adds, SiLU, the decay mask, the gate, the
+    # norm), which eager PyTorch runs as one pass over memory per operation, forward and
+    # backward. Inductor fuses runs of them into single loops (README, "Mamba-2": about 1.4x
+    # per training step at the CPU default). One compiled graph serves every layer, since they
+    # differ only in their parameters, which the graph takes as inputs; it is made again for a
+    # new input shape or grad mode.
+    # It applies to sequences of one chunk (L <= chunk_size), the training case: the trainer
+    # sets chunk_size to the block size when it compiles. Longer sequences, and prefill, whose
+    # prompts vary in length, run eagerly. With several chunks torch 2.13's CPU compiler
+    # produced a backward that corrupted memory (README, "Mamba-2"), so that graph is never made.
+
     def forward(self, u, want_cache=False):
         """u: (b, L, D) -> (b, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
+        if self.cfg.compile_mixer and not want_cache and u.shape[1] <= self.cfg.chunk_size:
+            return _compiled_forward(u.device.type)(self, u)
+        return self._forward(u, want_cache)
+
+    def _forward(self, u, want_cache=False):
         cfg = self.cfg
         b, L, _ = u.shape
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
@@ -543,6 +566,12 @@ class Mamba2Mixer(nn.Module):
         ssm_state.copy_(decay[..., None, None] * ssm_state + (delta[..., None] * x)[..., None] * B[:, :, None, :])
         y = (ssm_state @ C[..., None]).squeeze(-1) + self.D.to(x.dtype)[:, None] * x  # (b, H, P)
         return self._finish(y.flatten(-2), z, z0, x0)  # (b, D)
+
+
+@functools.cache
+def _compiled_forward(device_type):
+    """Mamba2Mixer._forward through torch.compile, made once per device type (static shapes)."""
+    return torch.compile(Mamba2Mixer._forward, dynamic=False)
 
 
 class Mamba2LM(mm.MambaLM):

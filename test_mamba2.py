@@ -1,6 +1,7 @@
 """Specification of mamba2_minimal.py: SSD in its three forms, the block, recurrent inference,
 loading both checkpoint layouts. Every oracle is written here in float64, independently."""
 
+import contextlib
 import json
 import math
 
@@ -253,12 +254,13 @@ def small_config(**kw):
     return Mamba2Config(**base)
 
 
-def reference_mixer(mixer, u):
-    """The official Mamba2 forward written out plainly in float64 from the module's weights:
+def reference_mixer(mixer, u, p=None):
+    """The official Mamba2 forward written out plainly in float64 from the module's weights (or
+    from p, a dict of them under the state_dict's names, to take gradients with respect to):
     in_proj -> [z0, x0, z, xBC, dt], nn.Conv1d-style causal conv + SiLU, Δ = softplus(dt + dt_bias)
     clamped to dt_limit, the SSD loop, + D·x, y·SiLU(z) then RMSNorm per group, [SiLU(z0)·x0, y], out_proj."""
     cfg = mixer.cfg
-    p = {k: v.double() for k, v in mixer.state_dict().items()}
+    p = {k: v.double() for k, v in (p or mixer.state_dict()).items()}
     u = u.double()
     b, L, _ = u.shape
     d_inner, G, N = cfg.expand * cfg.d_model, cfg.ngroups, cfg.d_state
@@ -296,6 +298,34 @@ def test_mixer_matches_a_plain_float64_reference(kw):
             p.add_(torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.05))
     u = torch.randn(2, 19, cfg.d_model, dtype=torch.float64)
     torch.testing.assert_close(mixer(u), reference_mixer(mixer, u), atol=1e-10, rtol=1e-9)
+
+
+@pytest.mark.compile
+def test_compiled_mixer_matches_the_float64_reference_forward_and_every_gradient(monkeypatch):
+    # compile_mixer compiles sequences of one chunk (here 8 steps): L = 8, the training case,
+    # then the same shape again, which must compile nothing new; L = 5, one padded chunk.
+    # L = 19 (three chunks) runs eagerly and must agree too.
+    compiled_calls = []
+    real = m2._compiled_forward
+    monkeypatch.setattr(m2, "_compiled_forward", lambda device: compiled_calls.append(device) or real(device))
+    torch.manual_seed(0)
+    mixer = m2.Mamba2Mixer(small_config(compile_mixer=True)).double()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.05))
+    names = [name for name, _ in mixer.named_parameters()]
+    for i, L in enumerate((8, 8, 5, 19)):
+        u = torch.randn(2, L, 32, dtype=torch.float64, requires_grad=True)
+        weights = {k: v.detach().clone().requires_grad_() for k, v in mixer.state_dict().items()}
+        expected = reference_mixer(mixer, u, weights)
+        grad_out = torch.randn_like(expected)
+        expected_grads = torch.autograd.grad(expected, [u] + [weights[n] for n in names], grad_out)
+        again = i == 1 and hasattr(torch.compiler, "set_stance")  # set_stance: torch >= 2.6
+        with torch.compiler.set_stance("fail_on_recompile") if again else contextlib.nullcontext():
+            got = mixer(u)
+            got_grads = torch.autograd.grad(got, [u] + list(mixer.parameters()), grad_out)
+        assert_all_close([got] + list(got_grads), [expected] + list(expected_grads), names=["y", "u"] + names)
+    assert compiled_calls == ["cpu"] * 3  # L = 8, 8 and 5 went through torch.compile, L = 19 did not
 
 
 def test_module_tree_and_shapes_follow_the_official_mamba2():
@@ -361,6 +391,8 @@ def test_config_rejects_inconsistent_sizes():
         small_config(d_state=0)
     with pytest.raises(ValueError, match="scan_backend must be one of"):
         small_config(scan_backend="fast")
+    with pytest.raises(ValueError, match="compile_mixer must be True or False"):
+        small_config(compile_mixer="yes")
 
 
 def test_bf16_weights_run_close_to_fp32():
