@@ -1,6 +1,7 @@
 """Specification of train_shakespeare.py, on a small text each test writes for itself."""
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -189,9 +190,13 @@ def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file
         checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab), abs=1e-5)
 
 
+MAMBA2_TINY = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
+
+
 @pytest.mark.compile
-def test_compiled_training_follows_the_eager_run(text_file, tmp_path, capsys):
-    common = ["--data", text_file, "--max-iters", "6", "--eval-interval", "3"] + TINY
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_compiled_training_follows_the_eager_run(text_file, tmp_path, capsys, arch):
+    common = ["--data", text_file, "--max-iters", "6", "--eval-interval", "3"] + (TINY if arch == "mamba" else MAMBA2_TINY)
     run(common + ["--out-dir", str(tmp_path / "eager")], capsys)
     out = run(common + ["--out-dir", str(tmp_path / "compiled"), "--compile"], capsys)
     assert "compiling" in out
@@ -200,6 +205,8 @@ def test_compiled_training_follows_the_eager_run(text_file, tmp_path, capsys):
     assert len(eager) == len(compiled) == 2
     for e, c in zip(eager, compiled):
         assert abs(e - c) < 1e-4
+    config = torch.load(str(tmp_path / "compiled" / "last.pt"), weights_only=True)["config"]
+    assert config["compile_scan" if arch == "mamba" else "compile_mixer"] is True  # the flag reached the model
 
 
 # ------------------------------------------------------------------------------------------------
@@ -683,8 +690,7 @@ def test_gpt_trains_resumes_and_samples_on_the_same_windows(text_file, tmp_path,
 def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypatch):
     pytest.importorskip("mamba2_minimal")
     from mamba2_minimal import Mamba2Config, Mamba2LM
-    tiny = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
-    ckpt = trains_resumes_and_samples("mamba2", tiny, lambda config: Mamba2LM(Mamba2Config(**config)),
+    ckpt = trains_resumes_and_samples("mamba2", MAMBA2_TINY, lambda config: Mamba2LM(Mamba2Config(**config)),
                                       text_file, tmp_path, capsys, monkeypatch)
     assert (ckpt["config"]["headdim"], ckpt["config"]["d_state"], ckpt["config"]["d_model"]) == (8, 8, 16)
 
@@ -693,9 +699,10 @@ def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypa
 # --compile where no compiler works
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag", ["--compile", "--compile-model"])
+@pytest.mark.parametrize("flag", ["--compile", "--compile-model", "mamba2 --compile"])
 def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path, capsys, monkeypatch, flag):
     import mamba_minimal as mm
+    import mamba2_minimal as m2
 
     def broken_compile(fn, *a, **k):  # what a machine without a C++ compiler does at the first call
         def fails(*args, **kwargs):
@@ -704,11 +711,13 @@ def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path,
             return type("Broken", (torch.nn.Module,), {"forward": lambda self, *a, **k: fails()})()
         return fails
 
-    common = ["--data", text_file, "--max-iters", "4", "--eval-interval", "2"] + TINY
+    tiny = MAMBA2_TINY if flag.startswith("mamba2") else TINY
+    common = ["--data", text_file, "--max-iters", "4", "--eval-interval", "2"] + tiny
     run(common + ["--out-dir", str(tmp_path / "eager")], capsys)
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.setattr(mm, "_compiled", {}, raising=False)  # no compiled function from an earlier test
-    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag], capsys)
+    monkeypatch.setattr(m2, "_compiled_forward", functools.cache(m2._compiled_forward.__wrapped__))
+    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
     notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
     assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
     assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))

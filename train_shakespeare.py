@@ -75,7 +75,7 @@ ARCH_DEFAULTS = {
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
 ARCH_FLAGS = {"d_state": ("mamba", "mamba2"), "headdim": ("mamba2",), "n_head": ("gpt",),
-              "scan_backend": ("mamba",), "compile": ("mamba",)}  # model flags that only some archs have
+              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2")}  # model flags that only some archs have
 
 
 def parse_args(argv=None):
@@ -96,7 +96,8 @@ def parse_args(argv=None):
     m.add_argument("--scan-backend", choices=SCAN_BACKENDS)
     m.add_argument("--compile", action="store_true",
                    help="mamba: run the selective scan through the fused, compiled chunked path (it pays at "
-                        "--d-state 16; at the CPU default's N = 4 the eager path is as fast)")
+                        "--d-state 16; at the CPU default's N = 4 the eager path is as fast); mamba2: "
+                        "torch.compile each mixer, with the whole block as one chunk")
     m.add_argument("--compile-model", action="store_true",
                    help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
     m.add_argument("--no-recompute", dest="recompute", action="store_false",
@@ -380,8 +381,10 @@ def model_kwargs(args, vocab_size):
                   recompute=args.recompute)
     elif args.arch == "mamba2":
         # a training block is then one chunk or a few: the official chunk of 256 would pad a
-        # 64-character block four times over
-        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size))
+        # 64-character block four times over. Compiled, the block is one chunk, the only case
+        # compile_mixer compiles (mamba2_minimal.py, at the mixer)
+        chunk_size = args.block_size if args.compile else min(64, args.block_size)
+        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=chunk_size, compile_mixer=args.compile)
     else:
         kw.update(n_head=args.n_head, block_size=args.block_size)
     return kw
@@ -400,10 +403,11 @@ def config_dict(model):
     return dict(vars(model.cfg))
 
 
-def set_compile_scan(model, value):
-    """Turn the compiled scan of a Mamba model on or off (a no-op for the other models)."""
-    if hasattr(model.cfg, "compile_scan"):
-        model.cfg.compile_scan = value
+def set_compiled(model, value):
+    """Turn the compiled path of a Mamba or Mamba-2 model on or off (a no-op for the GPT)."""
+    for field in ("compile_scan", "compile_mixer"):  # Mamba's and Mamba-2's
+        if hasattr(model.cfg, field):
+            setattr(model.cfg, field, value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -493,7 +497,7 @@ def load_for_sampling(args, device):
         sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
     ckpt = load_checkpoint(path)
     model = build_model(ckpt.get("arch", "mamba"), ckpt["config"])
-    set_compile_scan(model, False)  # a prompt is read once: compiling for it costs more than it saves
+    set_compiled(model, False)  # a prompt is read once: compiling for it costs more than it saves
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt
 
@@ -503,7 +507,7 @@ def load_for_sampling(args, device):
 # ------------------------------------------------------------------------------------------------
 
 RANK, WORLD, VOCAB_SIZE = 0, 1, None
-RUNTIME_FIELDS = ("scan_backend", "compile_scan", "chunk_size", "recompute")  # free to change on resume
+RUNTIME_FIELDS = ("scan_backend", "compile_scan", "compile_mixer", "chunk_size", "recompute")  # free to change on resume
 
 
 def model_identity(config):
@@ -670,7 +674,7 @@ class Run:
                     raise
                 log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
                 args.compile = args.compile_model = False
-                set_compile_scan(self.raw_model, False)
+                set_compiled(self.raw_model, False)
                 self.model = wrap(self.raw_model, False, self.ddp, self.device)
                 loss = train_step(self.model, self.optimizer, x, y, args, self.autocast)
             p.step += 1
@@ -712,7 +716,7 @@ class Run:
             dist.barrier()  # rank 0 has finished writing best.pt
         self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
         starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
-        set_compile_scan(self.raw_model, False)  # its last, smaller batch would cost a compile of its own
+        set_compiled(self.raw_model, False)  # its last, smaller batch would cost a compile of its own
         full_val = mean_loss(self.model, self.val_data, starts, args, self.device, self.autocast)
         log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
             f"loss {full_val:.4f} (best checkpoint)")
