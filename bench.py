@@ -503,32 +503,40 @@ def ssd_inputs(b, L, H, P, G, N, device="cpu", requires_grad=False):
 
 def bench_mamba2_ssd(args, device):
     """Mamba-1's selective scan and block against Mamba-2's SSD and block at equal width:
-    d_model 128, so ED = 256 channels, as 8 heads of 32 for Mamba-2 (N = 16 vs 64)."""
+    d_model 128, so ED = 256 channels, as 8 heads of 32 for Mamba-2 (N = 16 vs 64), each eager
+    and compiled. Mamba-2 compiles one-chunk sequences only (mamba2_minimal.py, at the mixer), so
+    at L = 4096 its compiled cells are empty."""
     import mamba2_minimal as m2
     shapes = [(2, 64)] if args.quick else [(12, 64), (1, 4096)]
     d_model = 128
+    ssd_compiled = torch.compile(m2.ssd, dynamic=False)
     rows = []
     for b, L in shapes:
-        long = L >= 2048
         sel = selective_inputs(b, L, 2 * d_model, 16, device=device, requires_grad=True)
         ssd_in = ssd_inputs(b, L, 8, 32, 1, 64, device=device, requires_grad=True)
         torch.manual_seed(0)
         u = torch.randn(b, L, d_model, device=device, requires_grad=True)
-        mixer1 = mm.MambaMixer(mm.MambaConfig(d_model=d_model, n_layer=1, vocab_size=65)).to(device)
-        mixers2 = {T: m2.Mamba2Mixer(m2.Mamba2Config(d_model=d_model, n_layer=1, vocab_size=65, headdim=32,
-                                                     d_state=64, chunk_size=T)).to(device) for T in (64, 256)}
-        cases = {
-            "Mamba-1 scan, pscan (N 16)": lambda: mm.selective_scan(*sel, backend="pscan"),
-            "Mamba-1 scan, chunked eager": lambda: mm.selective_scan(*sel, backend="chunked"),
-            "Mamba-2 SSD, chunk 64 (N 64)": lambda: m2.ssd(*ssd_in[:5], 64, ssd_in[5]),
-            "Mamba-2 SSD, chunk 256": lambda: m2.ssd(*ssd_in[:5], 256, ssd_in[5]),
-            "Mamba-1 block (default)": lambda: mixer1(u),
-            "Mamba-2 block, chunk 64": lambda: mixers2[64](u),
-            "Mamba-2 block, chunk 256": lambda: mixers2[256](u),
+        mixer1 = {c: mm.MambaMixer(mm.MambaConfig(d_model=d_model, n_layer=1, vocab_size=65, compile_scan=c)).to(device)
+                  for c in (False, True)}
+        mixer2 = {(T, c): m2.Mamba2Mixer(m2.Mamba2Config(d_model=d_model, n_layer=1, vocab_size=65, headdim=32,
+                                                         d_state=64, chunk_size=T, compile_mixer=c)).to(device)
+                  for T in (64, 256) for c in (False, True)}
+        one_chunk = L <= 64
+        cases = {  # path: (eager, compiled or None)
+            "Mamba-1 scan (N 16), pscan | compiled chunked":
+                (lambda: mm.selective_scan(*sel, backend="pscan"), lambda: mm.selective_scan(*sel, compile=True)),
+            "Mamba-2 SSD (N 64), chunk 64":
+                (lambda: m2.ssd(*ssd_in[:5], 64, ssd_in[5]),
+                 (lambda: ssd_compiled(*ssd_in[:5], 64, ssd_in[5])) if one_chunk else None),
+            "Mamba-2 SSD, chunk 256": (lambda: m2.ssd(*ssd_in[:5], 256, ssd_in[5]), None),
+            "Mamba-1 block (default) | compile_scan": (lambda: mixer1[False](u), lambda: mixer1[True](u)),
+            "Mamba-2 block, chunk 64 | compile_mixer":
+                (lambda: mixer2[64, False](u), (lambda: mixer2[64, True](u)) if one_chunk else None),
+            "Mamba-2 block, chunk 256": (lambda: mixer2[256, False](u), None),
         }
-        if not long:  # at L = 64 a chunk of 256 is the chunk of 64
+        if one_chunk:  # at L = 64 a chunk of 256 is the chunk of 64
             cases = {k: v for k, v in cases.items() if "256" not in k}
-        params = sel + ssd_in + [u] + list(mixer1.parameters()) + [p for m in mixers2.values() for p in m.parameters()]
+        params = sel + ssd_in + [u] + [p for m in list(mixer1.values()) + list(mixer2.values()) for p in m.parameters()]
 
         def fwd(fn):
             with torch.no_grad():
@@ -539,18 +547,22 @@ def bench_mamba2_ssd(args, device):
                 p.grad = None
             fn().sum().backward()
 
-        reps = max(3, args.repeats // (2 if long else 1))
-        t_f = interleaved({k: (lambda fn=fn: fwd(fn)) for k, fn in cases.items()}, reps, device)
-        t_b = interleaved({k: (lambda fn=fn: fb(fn)) for k, fn in cases.items()}, reps, device)
-        base_f, base_b = t_f["Mamba-1 scan, pscan (N 16)"], t_b["Mamba-1 scan, pscan (N 16)"]
-        block_f, block_b = t_f["Mamba-1 block (default)"], t_b["Mamba-1 block (default)"]
+        runs = {(k, kind): fn for k, pair in cases.items() for kind, fn in zip(("eager", "compiled"), pair) if fn}
+        reps = max(3, args.repeats // (2 if L >= 2048 else 1))
+        t_f = interleaved({key: (lambda fn=fn: fwd(fn)) for key, fn in runs.items()}, reps, device)
+        t_b = interleaved({key: (lambda fn=fn: fb(fn)) for key, fn in runs.items()}, reps, device)
         for k in cases:
-            ref_f, ref_b = (block_f, block_b) if "block" in k else (base_f, base_b)
-            rows.append([f"({b}, {L})", k, f"{t_f[k]:.1f}", f"{ref_f / t_f[k]:.2f}",
-                         f"{t_b[k]:.1f}", f"{ref_b / t_b[k]:.2f}"])
-    table(f"Mamba-2 SSD vs Mamba-1's selective scan, d_model {d_model} (ED 256: Mamba-2 as 8 heads of 32), "
-          "eager: median ms, speed-up over the Mamba-1 pscan scan (scan rows) or the Mamba-1 block (block rows)",
-          ["(B, L)", "path", "fwd ms", "speed-up", "fwd+bwd ms", "speed-up"], rows)
+            ref = "Mamba-1 block (default) | compile_scan" if "block" in k else "Mamba-1 scan (N 16), pscan | compiled chunked"
+            cells = []
+            for t in (t_f, t_b):
+                for kind in ("eager", "compiled"):
+                    ms = t.get((k, kind))
+                    cells.append("—" if ms is None else f"{ms:.1f} ({t[(ref, 'eager')] / ms:.2f}x)")
+            rows.append([f"({b}, {L})", k] + cells)
+    table(f"Mamba-2 SSD vs Mamba-1's selective scan, d_model {d_model} (ED 256: Mamba-2 as 8 heads of 32): median "
+          "ms (speed-up over the eager Mamba-1 scan, or the eager Mamba-1 block for block rows); a path 'a | b' runs "
+          "a eagerly and b compiled",
+          ["(B, L)", "path", "fwd eager", "fwd compiled", "fwd+bwd eager", "fwd+bwd compiled"], rows)
 
 
 MAMBA2_CPU_CANDIDATES = {  # 0.78M-0.87M parameters, like Mamba-1's 0.83M (d_model 128, 7 layers)
@@ -562,22 +574,30 @@ MAMBA2_CPU_CANDIDATES = {  # 0.78M-0.87M parameters, like Mamba-1's 0.83M (d_mod
 
 
 def bench_mamba2_train(args, device):
-    """One training step of Mamba-2 LMs of Mamba-1's default size, Mamba-1, and the GPT yardstick."""
+    """One training step of Mamba-2 LMs of Mamba-1's default size, eager and compiled, against
+    Mamba-1 and the GPT yardstick (eager, as nanoGPT runs it on a CPU, and compiled)."""
     import mamba2_minimal as m2
     d_model = 384 if device.type == "cuda" else 128
     batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
     torch.manual_seed(0)
-    models["mamba (default backend)"] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab))
+    models["mamba d_state 4 (trainer's CPU default)"] = mm.MambaLM(
+        mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab, d_state=4))
     for name, kw in MAMBA2_CPU_CANDIDATES.items():
         if device.type == "cuda":  # the CUDA default's width, 6 layers
             kw = dict(kw, d_model=d_model, n_layer=6, headdim=64)
         torch.manual_seed(0)
         models[name] = m2.Mamba2LM(m2.Mamba2Config(vocab_size=vocab, chunk_size=block, **kw))
+    default = "mamba2 128 x 7, headdim 64, d_state 64"
     torch.manual_seed(0)
-    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
-    steps = {}
+    models[default + ", compile_mixer (--compile)"] = m2.Mamba2LM(m2.Mamba2Config(
+        vocab_size=vocab, chunk_size=block, compile_mixer=True, **MAMBA2_CPU_CANDIDATES[default]))
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        gpt = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
+        models["GPT (yardstick)" + (", torch.compile" if compiled else "")] = torch.compile(gpt) if compiled else gpt
+    steps, first = {}, {}
     for name, model in models.items():
         model.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -589,14 +609,18 @@ def bench_mamba2_train(args, device):
             loss.backward()
             opt.step()
 
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        first[name] = time.perf_counter() - t0
         steps[name] = step
     t = interleaved(steps, args.repeats, device)
     gpt = t["GPT (yardstick)"]
     rows = [[name, f"{sum(p.numel() for p in models[name].parameters()) / 1e6:.2f}M", f"{t[name]:.1f}",
-             f"{t[name] / gpt:.2f}", f"{batch * block / t[name] * 1e3:,.0f}"] for name in models]
+             f"{t[name] / gpt:.2f}", f"{batch * block / t[name] * 1e3:,.0f}", f"{first[name]:.1f}"] for name in models]
     table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}; Mamba-1 d_model "
-          f"{d_model}, 7 layers; GPT d_model {d_model}, 4 layers; Mamba-2 chunk_size = block",
-          ["model", "params", "ms/iter", "/GPT", "tokens/s"], rows)
+          f"{d_model}, 7 layers; GPT d_model {d_model}, 4 layers; Mamba-2 chunk_size = block; /GPT: over the eager GPT",
+          ["model", "params", "ms/iter", "/GPT", "tokens/s", "first step s"], rows)
 
 
 # ------------------------------------------------------------------------------------------------

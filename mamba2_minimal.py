@@ -11,7 +11,7 @@ best; a scan is left only across chunks of the sequence. Sections, in the order 
     1. The SSD recurrence      ssd_sequential(): the loop over t, the oracle for everything below
     2. The quadratic form      segsum(), ssd_quadratic(): the same map as one masked matrix product
     3. Chunked SSD             ssd(): matmuls inside chunks, pscan.scan across chunks
-    4. The model               Mamba2Config, the gated RMSNorm, the mixer, the block, the LM
+    4. The model               Mamba2Config, the gated RMSNorm, the mixer (opt-in torch.compile), the LM
     5. Recurrent inference     prefill, an O(1) step per token, generate (Mamba-1's sampling)
     6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
 
