@@ -504,8 +504,7 @@ def ssd_inputs(b, L, H, P, G, N, device="cpu", requires_grad=False):
 def bench_mamba2_ssd(args, device):
     """Mamba-1's selective scan and block against Mamba-2's SSD and block at equal width:
     d_model 128, so ED = 256 channels, as 8 heads of 32 for Mamba-2 (N = 16 vs 64), each eager
-    and compiled. Mamba-2 compiles one-chunk sequences only (mamba2_minimal.py, at the mixer), so
-    at L = 4096 its compiled cells are empty."""
+    and compiled."""
     import mamba2_minimal as m2
     shapes = [(2, 64)] if args.quick else [(12, 64), (1, 4096)]
     d_model = 128
@@ -521,20 +520,18 @@ def bench_mamba2_ssd(args, device):
         mixer2 = {(T, c): m2.Mamba2Mixer(m2.Mamba2Config(d_model=d_model, n_layer=1, vocab_size=65, headdim=32,
                                                          d_state=64, chunk_size=T, compile_mixer=c)).to(device)
                   for T in (64, 256) for c in (False, True)}
-        one_chunk = L <= 64
-        cases = {  # path: (eager, compiled or None)
+        cases = {  # path: (eager, compiled)
             "Mamba-1 scan (N 16), pscan | compiled chunked":
                 (lambda: mm.selective_scan(*sel, backend="pscan"), lambda: mm.selective_scan(*sel, compile=True)),
             "Mamba-2 SSD (N 64), chunk 64":
-                (lambda: m2.ssd(*ssd_in[:5], 64, ssd_in[5]),
-                 (lambda: ssd_compiled(*ssd_in[:5], 64, ssd_in[5])) if one_chunk else None),
-            "Mamba-2 SSD, chunk 256": (lambda: m2.ssd(*ssd_in[:5], 256, ssd_in[5]), None),
+                (lambda: m2.ssd(*ssd_in[:5], 64, ssd_in[5]), lambda: ssd_compiled(*ssd_in[:5], 64, ssd_in[5])),
+            "Mamba-2 SSD, chunk 256":
+                (lambda: m2.ssd(*ssd_in[:5], 256, ssd_in[5]), lambda: ssd_compiled(*ssd_in[:5], 256, ssd_in[5])),
             "Mamba-1 block (default) | compile_scan": (lambda: mixer1[False](u), lambda: mixer1[True](u)),
-            "Mamba-2 block, chunk 64 | compile_mixer":
-                (lambda: mixer2[64, False](u), (lambda: mixer2[64, True](u)) if one_chunk else None),
-            "Mamba-2 block, chunk 256": (lambda: mixer2[256, False](u), None),
+            "Mamba-2 block, chunk 64 | compile_mixer": (lambda: mixer2[64, False](u), lambda: mixer2[64, True](u)),
+            "Mamba-2 block, chunk 256 | compile_mixer": (lambda: mixer2[256, False](u), lambda: mixer2[256, True](u)),
         }
-        if one_chunk:  # at L = 64 a chunk of 256 is the chunk of 64
+        if L <= 64:  # at L = 64 a chunk of 256 is the chunk of 64
             cases = {k: v for k, v in cases.items() if "256" not in k}
         params = sel + ssd_in + [u] + [p for m in list(mixer1.values()) + list(mixer2.values()) for p in m.parameters()]
 
@@ -547,7 +544,7 @@ def bench_mamba2_ssd(args, device):
                 p.grad = None
             fn().sum().backward()
 
-        runs = {(k, kind): fn for k, pair in cases.items() for kind, fn in zip(("eager", "compiled"), pair) if fn}
+        runs = {(k, kind): fn for k, pair in cases.items() for kind, fn in zip(("eager", "compiled"), pair)}
         reps = max(3, args.repeats // (2 if L >= 2048 else 1))
         t_f = interleaved({key: (lambda fn=fn: fwd(fn)) for key, fn in runs.items()}, reps, device)
         t_b = interleaved({key: (lambda fn=fn: fb(fn)) for key, fn in runs.items()}, reps, device)
@@ -556,8 +553,7 @@ def bench_mamba2_ssd(args, device):
             cells = []
             for t in (t_f, t_b):
                 for kind in ("eager", "compiled"):
-                    ms = t.get((k, kind))
-                    cells.append("—" if ms is None else f"{ms:.1f} ({t[(ref, 'eager')] / ms:.2f}x)")
+                    cells.append(f"{t[(k, kind)]:.1f} ({t[(ref, 'eager')] / t[(k, kind)]:.2f}x)")
             rows.append([f"({b}, {L})", k] + cells)
     table(f"Mamba-2 SSD vs Mamba-1's selective scan, d_model {d_model} (ED 256: Mamba-2 as 8 heads of 32): median "
           "ms (speed-up over the eager Mamba-1 scan, or the eager Mamba-1 block for block rows); a path 'a | b' runs "

@@ -306,6 +306,11 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
+        if torch.compiler.is_compiling():
+            # compiled (Mamba2Config.compile_mixer), steps 2-4 get a graph of their own: in one
+            # graph with step 1, torch 2.13's CPU compiler made a backward that corrupted memory
+            # (README, "Mamba-2 (SSD)"). Eagerly this line is never reached.
+            torch._dynamo.graph_break()
         # 2. every chunk's end state from a zero state, each input decayed to the chunk's end
         decay_from_start = torch.exp(a.cumsum(-1))  # (b, c, G, H/G, T)  exp(a_1 + ... + a_t)
         to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, G, H/G, T)  a_{t+1} + ... + a_T
@@ -502,18 +507,18 @@ class Mamba2Mixer(nn.Module):
     # already turned the sequence work into matmuls; what is left to win on a CPU is the
     # elementwise work around them (the conv's multiply-adds, SiLU, the decay mask, the gate, the
     # norm), which eager PyTorch runs as one pass over memory per operation, forward and
-    # backward. Inductor fuses runs of them into single loops (README, "Mamba-2": about 1.4x
-    # per training step at the CPU default). One compiled graph serves every layer, since they
-    # differ only in their parameters, which the graph takes as inputs; it is made again for a
-    # new input shape or grad mode.
-    # It applies to sequences of one chunk (L <= chunk_size), the training case: the trainer
-    # sets chunk_size to the block size when it compiles. Longer sequences, and prefill, whose
-    # prompts vary in length, run eagerly. With several chunks torch 2.13's CPU compiler
-    # produced a backward that corrupted memory (README, "Mamba-2"), so that graph is never made.
+    # backward. Inductor fuses runs of them into single loops (README, "Mamba-2 (SSD)": about
+    # 1.3x per training step at the CPU default). One compiled graph serves every layer, since
+    # they differ only in their parameters, which the graph takes as inputs; it is made again
+    # for a new input shape or grad mode. With several chunks the code is compiled as a few
+    # graphs: ssd() starts a new one for its steps 2-4, and pscan.scan runs eagerly between
+    # them, since the compiler cannot trace its autograd Function (it refuses the forward-mode
+    # rule, jvp). Prefill (want_cache) stays eager: prompts vary in length, and each new length
+    # would compile again.
 
     def forward(self, u, want_cache=False):
         """u: (b, L, D) -> (b, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
-        if self.cfg.compile_mixer and not want_cache and u.shape[1] <= self.cfg.chunk_size:
+        if self.cfg.compile_mixer and not want_cache:
             return _compiled_forward(u.device.type)(self, u)
         return self._forward(u, want_cache)
 

@@ -97,7 +97,7 @@ def parse_args(argv=None):
     m.add_argument("--compile", action="store_true",
                    help="mamba: run the selective scan through the fused, compiled chunked path (it pays at "
                         "--d-state 16; at the CPU default's N = 4 the eager path is as fast); mamba2: "
-                        "torch.compile each mixer, with the whole block as one chunk")
+                        "torch.compile each mixer")
     m.add_argument("--compile-model", action="store_true",
                    help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
     m.add_argument("--no-recompute", dest="recompute", action="store_false",
@@ -381,10 +381,9 @@ def model_kwargs(args, vocab_size):
                   recompute=args.recompute)
     elif args.arch == "mamba2":
         # a training block is then one chunk or a few: the official chunk of 256 would pad a
-        # 64-character block four times over. Compiled, the block is one chunk, the only case
-        # compile_mixer compiles (mamba2_minimal.py, at the mixer)
-        chunk_size = args.block_size if args.compile else min(64, args.block_size)
-        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=chunk_size, compile_mixer=args.compile)
+        # 64-character block four times over
+        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
+                  compile_mixer=args.compile)
     else:
         kw.update(n_head=args.n_head, block_size=args.block_size)
     return kw
