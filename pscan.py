@@ -525,9 +525,10 @@ def scan_chunked(a, b, h0=None, chunk_size=64):
 # ------------------------------------------------------------------------------------------------
 # torch ships a generic parallel scan, torch._higher_order_ops.associative_scan (a prototype,
 # private API), which takes the combine rule as a Python function. Its combine_mode argument
-# (added in August 2024, pytorch/pytorch#133012) selects "pointwise", which compiles the scan into
-# one Triton kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. This
-# project asks for torch >= 2.6 (requirements.txt) and is tested on 2.13. We run it without
+# (pytorch/pytorch#133012, first released in torch 2.5.0: the 2.5.0 wheel's associative_scan has
+# it, the 2.4.0 one's does not) selects "pointwise", which compiles the scan into one Triton
+# kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. This project asks
+# for torch >= 2.6 (requirements.txt) and is tested on 2.13. We run it without
 # autograd (its own backward saves far more than a and h) and reuse the reverse-scan backward of
 # section 8, with the Blelloch tree running the reverse scan.
 
