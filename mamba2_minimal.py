@@ -307,9 +307,10 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
         if torch.compiler.is_compiling():
-            # compiled (Mamba2Config.compile_mixer), steps 2-4 get a graph of their own: in one
-            # graph with step 1, torch 2.13's CPU compiler made a backward that corrupted memory
-            # (README, "Mamba-2 (SSD)"). Eagerly this line is never reached.
+            # compiled (Mamba2Config.compile_mixer), step 2 starts a new graph (step 3's
+            # pscan.scan breaks it again): with steps 1 and 2 in one graph, torch 2.13's CPU
+            # compiler made a backward that corrupted memory (README, "Mamba-2 (SSD)").
+            # Eagerly this line is never reached.
             torch._dynamo.graph_break()
         # 2. every chunk's end state from a zero state, each input decayed to the chunk's end
         decay_from_start = torch.exp(a.cumsum(-1))  # (b, c, G, H/G, T)  exp(a_1 + ... + a_t)
@@ -508,13 +509,14 @@ class Mamba2Mixer(nn.Module):
     # elementwise work around them (the conv's multiply-adds, SiLU, the decay mask, the gate, the
     # norm), which eager PyTorch runs as one pass over memory per operation, forward and
     # backward. Inductor fuses runs of them into single loops (README, "Mamba-2 (SSD)": about
-    # 1.3x per training step at the CPU default). One compiled graph serves every layer, since
-    # they differ only in their parameters, which the graph takes as inputs; it is made again
-    # for a new input shape or grad mode. With several chunks the code is compiled as a few
-    # graphs: ssd() starts a new one for its steps 2-4, and pscan.scan runs eagerly between
-    # them, since the compiler cannot trace its autograd Function (it refuses the forward-mode
-    # rule, jvp). Prefill (want_cache) stays eager: prompts vary in length, and each new length
-    # would compile again.
+    # 1.3x per training step at the CPU default, where a block is one chunk; with many chunks
+    # the backward gains little). One compiled graph serves every layer, since they differ only
+    # in their parameters, which the graph takes as inputs; it is made again for a new input
+    # shape or grad mode. With several chunks the code runs as three graphs: ssd() starts a new
+    # one at its step 2, and pscan.scan runs eagerly in step 3 (its autograd Function, the
+    # "pscan" backend that "auto" picks for training, has a forward-mode rule, jvp, that the
+    # compiler refuses). Prefill (want_cache) and step() stay eager: prompts vary in length,
+    # and each new length would compile again.
 
     def forward(self, u, want_cache=False):
         """u: (b, L, D) -> (b, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
@@ -575,7 +577,9 @@ class Mamba2Mixer(nn.Module):
 
 @functools.cache
 def _compiled_forward(device_type):
-    """Mamba2Mixer._forward through torch.compile, made once per device type (static shapes)."""
+    """Mamba2Mixer._forward through torch.compile (static shapes), made once per device type and
+    shared by every mixer in the process: each new config, shape or grad mode compiles again,
+    and past torch's recompile limit (8) that code runs eagerly, with torch's warning."""
     return torch.compile(Mamba2Mixer._forward, dynamic=False)
 
 
