@@ -710,14 +710,14 @@ def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES):
     return rows
 
 
-def gpu_training(device, args, timeout_s):
-    """A short run of train_shakespeare.py with the device's defaults (bf16 autocast on CUDA).
-    Returns (final val loss or None, median tokens/s or None, a note)."""
+def gpu_training(device, args, timeout_s, arch="mamba"):
+    """A short run of train_shakespeare.py --arch ARCH with the device's defaults (bf16 autocast
+    on CUDA). Returns (final val loss or None, median tokens/s or None, a note)."""
     import re
     import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
     out_dir = tempfile.mkdtemp(prefix="bench_gpu_train_")
-    cmd = [sys.executable, os.path.join(here, "train_shakespeare.py"), "--device", device.type,
+    cmd = [sys.executable, os.path.join(here, "train_shakespeare.py"), "--arch", arch, "--device", device.type,
            "--out-dir", out_dir, "--max-iters", str(args.train_iters), "--no-sample",
            "--eval-interval", str(max(1, args.train_iters // 4))]
     if args.data:
@@ -777,20 +777,23 @@ def bench_gpu(args):
         partial = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
         print(f"{partial[-1000:]}\nthe CUDA tests did not finish in 150 s")
 
-    # 2. the seed's table: what is left of the budget minus the training run's share
-    train_s = 120  # a toy run on a busy CPU needs about as long as the real one on a GPU
+    # 2. the seed's table: what is left of the budget minus the training runs' share
+    train_s = 180  # Mamba and Mamba-2; a toy run on a busy CPU needs about as long as the real one on a GPU
     rows = gpu_table(device, shape, deadline - train_s, args.repeats)
     table(f"y = selective_scan(...) at (B, L, ED, N) = {shape}: median ms of warm calls, peak memory "
           f"beyond the inputs", ["(B, L, ED, N)", "path", "pass", "ms", "calls", "first call s", "peak MiB"], rows)
 
-    # 3. a short training run with the device's defaults
-    left = max(float(train_s), deadline - time.perf_counter())  # its share, even after a slow table
-    val, rate, note = gpu_training(device, args, left)
+    # 3. short training runs with the device's defaults, Mamba then Mamba-2
+    rows, vals = [], []
+    for i, arch in enumerate(("mamba", "mamba2")):
+        left = max(train_s / 2, (deadline - time.perf_counter()) / (2 - i))  # its share, even after a slow table
+        val, rate, note = gpu_training(device, args, left, arch)
+        vals.append(val)
+        rows.append([arch, "" if val is None else f"{val:.4f}", "" if rate is None else f"{rate:,.0f}", note])
     table(f"train_shakespeare.py, {args.train_iters} iterations, the {device.type} defaults"
-          f"{' with bf16 autocast' if device.type == 'cuda' else ''}", ["val loss", "tokens/s", "run"],
-          [["" if val is None else f"{val:.4f}", "" if rate is None else f"{rate:,.0f}", note]])
+          f"{' with bf16 autocast' if device.type == 'cuda' else ''}", ["--arch", "val loss", "tokens/s", "run"], rows)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
-    if not tests_ok or val is None:
+    if not tests_ok or None in vals:
         sys.exit(1)
 
 

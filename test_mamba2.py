@@ -126,6 +126,38 @@ def test_chunked_ssd_matches_the_loop_forward_final_state_and_every_gradient(L, 
                      names=["y", "h_last"] + ["grad " + n for n in NAMES])
 
 
+def check_ssd_on_device(device):
+    """Chunked SSD in fp32 on `device` against the float64 loop on the CPU: outputs, final state
+    and every gradient, with h0, three chunks (the last one partial) and two groups."""
+    inputs = [t.requires_grad_() for t in ssd_inputs(L=21, G=2)]  # float64, on the CPU
+    moved = [t.detach().float().to(device).requires_grad_() for t in inputs]
+    expected = reference_ssd(*inputs)
+    got = m2.ssd(*moved[:5], 8, moved[5], moved[6], return_last_state=True)
+    assert got[0].device.type == torch.device(device).type
+    weights = [torch.randn_like(t) for t in expected]  # the same weighting of every output on both sides
+    grads_expected = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, expected)), inputs)
+    grads_got = torch.autograd.grad(sum((w.float().to(device) * t).sum() for w, t in zip(weights, got)), moved)
+    assert_all_close([t.detach().double().cpu() for t in list(got) + list(grads_got)],
+                     list(expected) + list(grads_expected), atol=1e-4, rtol=1e-4,
+                     names=["y", "h_last"] + ["grad " + n for n in NAMES])
+
+
+def test_chunked_ssd_in_fp32_on_the_cpu_matches_the_float64_loop():
+    check_ssd_on_device("cpu")  # the CUDA test below, where every machine can run it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_chunked_ssd_and_model_match_the_float64_cpu_reference():
+    check_ssd_on_device("cuda")
+    torch.manual_seed(0)
+    model = Mamba2LM(small_config()).double().eval()
+    ids = torch.randint(0, 50, (2, 19))
+    with torch.no_grad():
+        expected = model(ids)  # float64 on the CPU, checked against the plain reference above
+        got = model.float().cuda()(ids.cuda())
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("L,chunk_size", [(5, 16), (16, 16), (17, 16), (40, 8)])
 def test_chunked_ssd_without_h0_or_final_state_matches_the_loop(L, chunk_size):
     # one chunk and nothing carried in: steps 2-4 are skipped, as in training with L = chunk_size
