@@ -4,6 +4,7 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py                              # on a CPU: 5 minutes of training, any machine
     python train_shakespeare.py --max-iters 1000             # a fixed number of steps instead
     python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
+    python train_shakespeare.py --arch mamba2 --compile      # Mamba-2 (SSD), its mixers compiled
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
