@@ -358,6 +358,20 @@ def test_compiled_mixer_matches_the_float64_reference_forward_and_every_gradient
             got_grads = torch.autograd.grad(got, [u] + list(mixer.parameters()), grad_out)
         assert_all_close([got] + list(got_grads), [expected] + list(expected_grads), names=["y", "u"] + names)
     assert compiled_calls == ["cpu"] * 4  # every call went through torch.compile
+    # fp32, two chunks: the shape at which steps 1 and 2 of ssd() in one compiled graph made a
+    # backward that corrupted memory on torch 2.13's CPU compiler (README, "Mamba-2 (SSD)")
+    mixer.float()
+    u = torch.randn(2, 16, 32, requires_grad=True)
+    weights = {k: v.detach().double().requires_grad_() for k, v in mixer.state_dict().items()}
+    u64 = u.detach().double().requires_grad_()
+    expected = reference_mixer(mixer, u64, weights)
+    grad_out = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, [u64] + [weights[n] for n in names], grad_out)
+    got = mixer(u)
+    got_grads = torch.autograd.grad(got, [u] + list(mixer.parameters()), grad_out.float())
+    assert_all_close([t.double() for t in [got] + list(got_grads)], [expected] + list(expected_grads),
+                     atol=1e-4, rtol=1e-4, names=["y", "u"] + names)
+    assert compiled_calls == ["cpu"] * 5
 
 
 def test_module_tree_and_shapes_follow_the_official_mamba2():
