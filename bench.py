@@ -7,6 +7,9 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py selective     # selective_scan: eager backends vs the fused chunked path
     python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
     python bench.py generate      # cost per generated token at position 16 vs 4096
+    python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
+    python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
+    python bench.py mamba2_profile  # where that step's time goes: matmuls vs the rest (torch.profiler)
     python bench.py all           # everything above
     python bench.py gpu           # on a CUDA machine: CUDA tests, the seed's L = 8192 table, training
 
@@ -619,6 +622,49 @@ def bench_mamba2_train(args, device):
           ["model", "params", "ms/iter", "/GPT", "tokens/s", "first step s"], rows)
 
 
+def bench_mamba2_profile(args, device):
+    """Where one training step's time goes: matmuls against everything else, for the default
+    Mamba-2 (eager and compile_mixer) and the GPT yardstick, from torch.profiler's self times."""
+    import mamba2_minimal as m2
+    from torch.profiler import ProfilerActivity, profile
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    models = {}
+    for name, compiled in (("mamba2 default, eager", False), ("mamba2 default, compile_mixer", True)):
+        torch.manual_seed(0)
+        models[name] = m2.Mamba2LM(m2.Mamba2Config(vocab_size=vocab, chunk_size=block, compile_mixer=compiled,
+                                                   **MAMBA2_CPU_CANDIDATES["mamba2 128 x 7, headdim 64, d_state 64"]))
+    torch.manual_seed(0)
+    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=128, block_size=block))
+    matmuls = ("aten::mm", "aten::addmm", "aten::bmm")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    rows = []
+    for name, model in models.items():
+        model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step():
+            logits = model(ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits[..., :vocab].flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        for _ in range(3):  # compiles, where there is a compile, and warms up
+            step()
+        with profile(activities=activities) as prof:
+            for _ in range(args.repeats):
+                step()
+            sync(device)
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events) / args.repeats / 1e3
+        mm_ms = sum(e.self_cpu_time_total for e in events if e.key in matmuls) / args.repeats / 1e3
+        rows.append([name, f"{total:.1f}", f"{mm_ms:.1f}", f"{total - mm_ms:.1f}", f"{mm_ms / total:.0%}"])
+    table(f"one training step under torch.profiler (CPU self time, ms per step, {args.repeats} steps), batch {batch}, "
+          f"block {block}: matmuls (mm, addmm, bmm) against everything else",
+          ["model", "step ms", "matmul ms", "rest ms", "matmul share"], rows)
+
+
 # ------------------------------------------------------------------------------------------------
 # On a GPU, in one go: the CUDA tests, the seed's table at its own shape, a short training run
 # ------------------------------------------------------------------------------------------------
@@ -800,7 +846,7 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, generate, mamba2_ssd, mamba2_train, all; or gpu")
+                                           "train, generate, mamba2_ssd, mamba2_train, mamba2_profile, all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
@@ -822,7 +868,8 @@ def main():
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
               "selective": bench_selective, "train": bench_train, "generate": bench_generate,
-              "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train}
+              "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
+              "mamba2_profile": bench_mamba2_profile}
     whats = args.what or ["scan"]
     if whats == ["all"]:
         whats = list(tables)
