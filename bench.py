@@ -21,6 +21,7 @@ one subprocess per case, so it is Linux only.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -419,6 +420,40 @@ class TinyGPT(torch.nn.Module):
             ids = torch.cat([ids, token[:, None]], dim=1)
 
 
+def training_step(model, ids, vocab, autocast=None):
+    """A function that runs one training step of model on the batch ids (B, L + 1): forward,
+    cross-entropy on the next character, backward, AdamW. Every training table times this."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    autocast = autocast or contextlib.nullcontext()
+
+    def step():
+        with autocast:
+            logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits[..., :vocab].float().flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def training_step_table(title, models, ids, vocab, args, device, autocast=None):
+    """Time one training step of each model (the first, which may compile, apart), interleaved,
+    and print ms, the ratio to the eager "GPT (yardstick)" and tokens/s."""
+    steps, first = {}, {}
+    for name, model in models.items():
+        steps[name] = training_step(model.to(device), ids, vocab, autocast)
+        t0 = time.perf_counter()
+        steps[name]()
+        sync(device)
+        first[name] = time.perf_counter() - t0
+    t = interleaved(steps, args.repeats, device)
+    gpt = t["GPT (yardstick)"]
+    tokens = ids.shape[0] * (ids.shape[1] - 1)
+    rows = [[name, f"{sum(p.numel() for p in models[name].parameters()) / 1e6:.2f}M", f"{t[name]:.1f}",
+             f"{t[name] / gpt:.2f}", f"{tokens / t[name] * 1e3:,.0f}", f"{first[name]:.1f}"] for name in models]
+    table(title, ["model", "params", "ms/iter", "/GPT", "tokens/s", "first step s"], rows)
+
+
 def bench_train(args, device):
     d_model = 384 if device.type == "cuda" else 128
     batch, block, vocab = 12, 64, 65
@@ -434,29 +469,8 @@ def bench_train(args, device):
     torch.manual_seed(0)
     models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block)).to(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    steps, first = {}, {}
-    for name, model in models.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(model=model, opt=opt):
-            with autocast:
-                logits = model(ids[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits[..., :vocab].float().flatten(0, 1), ids[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        first[name] = time.perf_counter() - t0
-        steps[name] = step
-    t = interleaved(steps, args.repeats, device)
-    gpt = t["GPT (yardstick)"]
-    rows = [[name, f"{sum(p.numel() for p in models[name].parameters()) / 1e6:.2f}M", f"{t[name]:.1f}",
-             f"{t[name] / gpt:.2f}", f"{batch * block / t[name] * 1e3:,.0f}", f"{first[name]:.1f}"] for name in models]
-    table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}",
-          ["model", "params", "ms/iter", "/GPT", "tokens/s", "first step s"], rows)
+    training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}",
+                        models, ids, vocab, args, device, autocast)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -596,30 +610,9 @@ def bench_mamba2_train(args, device):
         torch.manual_seed(0)
         gpt = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
         models["GPT (yardstick)" + (", torch.compile" if compiled else "")] = torch.compile(gpt) if compiled else gpt
-    steps, first = {}, {}
-    for name, model in models.items():
-        model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(model=model, opt=opt):
-            logits = model(ids[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits[..., :vocab].flatten(0, 1), ids[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        t0 = time.perf_counter()
-        step()
-        sync(device)
-        first[name] = time.perf_counter() - t0
-        steps[name] = step
-    t = interleaved(steps, args.repeats, device)
-    gpt = t["GPT (yardstick)"]
-    rows = [[name, f"{sum(p.numel() for p in models[name].parameters()) / 1e6:.2f}M", f"{t[name]:.1f}",
-             f"{t[name] / gpt:.2f}", f"{batch * block / t[name] * 1e3:,.0f}", f"{first[name]:.1f}"] for name in models]
-    table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}; Mamba-1 d_model "
-          f"{d_model}, 7 layers; GPT d_model {d_model}, 4 layers; Mamba-2 chunk_size = block; /GPT: over the eager GPT",
-          ["model", "params", "ms/iter", "/GPT", "tokens/s", "first step s"], rows)
+    training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}; Mamba-1 "
+                        f"d_model {d_model}, 7 layers; GPT d_model {d_model}, 4 layers; Mamba-2 chunk_size = block; "
+                        "/GPT: over the eager GPT", models, ids, vocab, args, device)
 
 
 def bench_mamba2_profile(args, device):
@@ -640,16 +633,7 @@ def bench_mamba2_profile(args, device):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     rows = []
     for name, model in models.items():
-        model.to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step():
-            logits = model(ids[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits[..., :vocab].flatten(0, 1), ids[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
+        step = training_step(model.to(device), ids, vocab)
         for _ in range(3):  # compiles, where there is a compile, and warms up
             step()
         with profile(activities=activities) as prof:
