@@ -696,14 +696,9 @@ def config_from_dict(d, **overrides):
 
 
 def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+    """Mamba-1's loader with this file's config_from_dict: the same folder and hub handling, key
+    mapping (embeddings -> embedding, the re-tied head), strict checks, and A_log and D kept in
+    fp32 under a half-precision dtype."""
     folder = mm._resolve_folder(path_or_id)
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"no config.json in {folder}")
-    with open(cfg_path) as f:
-        cfg = config_from_dict(json.load(f), **overrides)
-    model = cls(cfg)
-    # the same key mapping and strict checks as Mamba-1: embeddings -> embedding, re-tied head
-    state_dict = mm.convert_state_dict(mm._load_state_dict_file(folder), model)
-    model.load_state_dict(state_dict, strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    model = cls(config_from_dict(mm.read_config_json(folder), **overrides))
+    return mm.load_weights(model, folder, device, dtype)

@@ -961,6 +961,12 @@ def convert_state_dict(state_dict, model):
 
 def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
     folder = _resolve_folder(path_or_id)
+    model = cls(config_from_dict(read_config_json(folder), **overrides))
+    return load_weights(model, folder, device, dtype)
+
+
+def read_config_json(folder):
+    """The folder's config.json as a dict (mamba2_minimal.py's loader reads it here too)."""
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"no config.json in {folder}")
@@ -971,8 +977,12 @@ def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
             raise ValueError(f"{cfg_path} is not valid JSON: {err}") from None
     if not isinstance(d, dict):
         raise ValueError(f"{cfg_path} must hold a JSON object of config fields, got a {type(d).__name__}")
-    cfg = config_from_dict(d, **overrides)
-    model = cls(cfg)
+    return d
+
+
+def load_weights(model, folder, device=None, dtype=None):
+    """Load the folder's weights into model (strict keys, either layout), then move it; shared
+    with mamba2_minimal.py, whose mixers name A_log and D the same way."""
     model.load_state_dict(convert_state_dict(_load_state_dict_file(folder), model), strict=True)
     model.to(device=device)
     if dtype is not None:

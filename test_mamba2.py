@@ -569,6 +569,26 @@ def test_official_layout_loads_strictly_with_a_padded_vocab(tmp_path):
         torch.testing.assert_close(model(ids), src(ids), atol=0, rtol=0)
 
 
+def test_loading_in_bf16_keeps_A_log_and_D_in_fp32_and_rejects_bad_json(tmp_path):
+    # as Mamba-1's loader: rounding A_log to bf16 would move every head's decay rate
+    torch.manual_seed(0)
+    src = Mamba2LM(Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2,
+                                chunk_size=8, pad_vocab_size_multiple=16))
+    with torch.no_grad():
+        for layer in src.backbone.layers:  # values that bf16 cannot hold exactly
+            layer.mixer.A_log.copy_(torch.linspace(0.1234567, 2.7654321, layer.mixer.A_log.numel()))
+    folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, src.state_dict())
+    model = Mamba2LM.from_pretrained(folder, dtype=torch.bfloat16)
+    for name, p in model.named_parameters():
+        if name.endswith(("mixer.A_log", "mixer.D")):
+            assert p.dtype == torch.float32 and torch.equal(p, src.state_dict()[name]), name
+        else:
+            assert p.dtype == torch.bfloat16, name
+    (tmp_path / "official" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        Mamba2LM.from_pretrained(folder)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_head(tmp_path, tied):
     torch.manual_seed(0)
