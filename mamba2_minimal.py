@@ -8,7 +8,7 @@ makes the recurrence equal to a matrix product, "attention" with a decay mask in
 softmax (state space duality, SSD), so most of the work becomes matmuls, which every device does
 best; a scan is left only across chunks of the sequence. Sections, in the order of the idea:
 
-    1. The SSD recurrence      ssd_sequential(): the loop over t, the oracle for everything below
+    1. The SSD recurrence      ssd_step(), ssd_sequential(): one step, the loop over t (the oracle)
     2. The quadratic form      segsum(), ssd_quadratic(): the same map as one masked matrix product
     3. Chunked SSD             ssd(): matmuls inside chunks, pscan.scan across chunks
     4. The model               Mamba2Config, the gated RMSNorm, the mixer (opt-in torch.compile), the LM
@@ -103,6 +103,15 @@ def _in_compute_dtype(*tensors):
     return [t.to(dtype) for t in tensors]
 
 
+def ssd_step(h, x_t, dt_t, A, B_t, C_t):
+    """One step of the recurrence for every head at once: the loop below runs it over t, and
+    Mamba2Mixer.step runs it on the cache, one token at a time.
+    h (b, H, P, N), x_t (b, H, P), dt_t (b, H), A (H,), B_t and C_t (b, H, N) -> (h_t, y_t (b, H, P))"""
+    decay = torch.exp(dt_t * A)  # (b, H)
+    h = decay[..., None, None] * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]  # (b, H, P, N)
+    return h, (h @ C_t[..., None]).squeeze(-1)  # y_t = h_t·C_t
+
+
 def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
     """The SSD recurrence as a loop over t: slow, obviously right, the oracle of the tests.
 
@@ -125,9 +134,8 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
     ys = []
     # unbind, not x[:, t]: see pscan.py section 1 (indexing makes the backward quadratic in L)
     for x_t, dt_t, B_t, C_t in zip(x.unbind(1), dt.unbind(1), B.unbind(1), C.unbind(1)):
-        decay = torch.exp(dt_t * A)  # (b, H)
-        h = decay[..., None, None] * h + (dt_t[..., None] * x_t)[..., None] * B_t[:, :, None, :]  # (b, H, P, N)
-        ys.append((h @ C_t[..., None]).squeeze(-1))  # (b, H, P)  y_t = h_t·C_t
+        h, y_t = ssd_step(h, x_t, dt_t, A, B_t, C_t)  # (b, H, P, N), (b, H, P)
+        ys.append(y_t)
     y = torch.stack(ys, dim=1)  # (b, L, H, P)
     if D is not None:
         y = y + D.to(x.dtype)[:, None] * x
@@ -569,9 +577,9 @@ class Mamba2Mixer(nn.Module):
         x = x.unflatten(-1, (H, P)).to(ssm_state.dtype)  # (b, H, P)
         B, C = (t.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=1).to(ssm_state.dtype)
                 for t in (B, C))  # (b, H, N) each: head k reads group k // (H/G)
-        decay = torch.exp(delta * self.A.to(ssm_state.dtype))  # (b, H)
-        ssm_state.copy_(decay[..., None, None] * ssm_state + (delta[..., None] * x)[..., None] * B[:, :, None, :])
-        y = (ssm_state @ C[..., None]).squeeze(-1) + self.D.to(x.dtype)[:, None] * x  # (b, H, P)
+        h, y = ssd_step(ssm_state, x, delta, self.A.to(ssm_state.dtype), B, C)  # section 1's step
+        ssm_state.copy_(h)
+        y = y + self.D.to(x.dtype)[:, None] * x  # (b, H, P)
         return self._finish(y.flatten(-2), z, z0, x0)  # (b, D)
 
 
