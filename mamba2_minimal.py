@@ -473,9 +473,12 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
         self.reset_ssm_parameters()
 
-    # the depthwise causal conv as d_conv shifted multiply-adds, exactly Mamba-1's (it reads
-    # self.cfg.d_conv and self.conv1d, which this block has too)
+    # the depthwise causal conv as d_conv shifted multiply-adds, and its one-token form on the
+    # rolling buffer: exactly Mamba-1's (they read self.cfg.d_conv and self.conv1d, which this
+    # block has too)
     causal_conv = mm.MambaMixer.causal_conv
+    conv_step = mm.MambaMixer.conv_step
+    conv_state_after = mm.MambaMixer.conv_state_after
 
     @torch.no_grad()
     def reset_ssm_parameters(self):
@@ -534,7 +537,6 @@ class Mamba2Mixer(nn.Module):
 
     def _forward(self, u, want_cache=False):
         cfg = self.cfg
-        b, L, _ = u.shape
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
         z0, x0, z, xBC_in, dt = self._split(self.in_proj(u))  # z (b, L, d_ssm), xBC (b, L, conv_dim), dt (b, L, H)
         xBC = F.silu(self.causal_conv(xBC_in))  # (b, L, conv_dim)
@@ -546,11 +548,7 @@ class Mamba2Mixer(nn.Module):
         out = self._finish(y.flatten(-2), z, z0, x0)  # (b, L, D)
         if not want_cache:
             return out
-        # the conv's rolling buffer: the last d_conv inputs, zeros before the first token; a
-        # fresh tensor, so the cache does not keep the prompt's activations alive
-        conv_state = F.pad(xBC_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]
-        conv_state = conv_state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
-        return out, (conv_state, h_last)  # (b, conv_dim, d_conv), (b, H, P, N)
+        return out, (self.conv_state_after(xBC_in), h_last)  # (b, conv_dim, d_conv), (b, H, P, N)
 
     def cache_spec(self, batch):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
@@ -567,12 +565,7 @@ class Mamba2Mixer(nn.Module):
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
         conv_state, ssm_state = cache  # (b, conv_dim, d_conv), (b, H, P, N)
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))  # (b, ...) each
-        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
-        conv_state[:, :, -1] = xBC
-        xBC = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, conv_dim) the conv at one position
-        if self.conv1d.bias is not None:
-            xBC = xBC + self.conv1d.bias
-        x, B, C = F.silu(xBC).split([cfg.d_ssm, G * N, G * N], dim=-1)
+        x, B, C = F.silu(self.conv_step(conv_state, xBC)).split([cfg.d_ssm, G * N, G * N], dim=-1)
         delta = self._delta(dt).to(ssm_state.dtype)  # (b, H)
         x = x.unflatten(-1, (H, P)).to(ssm_state.dtype)  # (b, H, P)
         B, C = (t.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=1).to(ssm_state.dtype)

@@ -308,11 +308,26 @@ class MambaMixer(nn.Module):
             out = torch.addcmul(out, x_pad[:, k:k + L], w[:, k])  # (b, L, ED)
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
+    def conv_step(self, conv_state, x):
+        """causal_conv at one new position, for `step`: push x (b, C) into the rolling buffer of the
+        last d_conv inputs, conv_state (b, C, d_conv), in place; -> (b, C)."""
+        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))  # drop the oldest input
+        conv_state[:, :, -1] = x
+        out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, C) the conv at one position
+        return out if self.conv1d.bias is None else out + self.conv1d.bias
+
+    def conv_state_after(self, x_in):
+        """The rolling buffer after the sequence x_in (b, L, C): its last d_conv inputs, zeros before
+        the first token, as a fresh (b, C, d_conv) tensor, so a cache does not keep the prompt's
+        activations alive."""
+        d_conv = self.cfg.d_conv
+        state = F.pad(x_in.transpose(1, 2), (max(d_conv - x_in.shape[1], 0), 0))[..., -d_conv:]
+        return state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
+
     def forward(self, hidden, want_cache=False):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
         (conv_state, ssm_state) for section 5."""
         cfg = self.cfg
-        L = hidden.shape[1]
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
         x = F.silu(self.causal_conv(x_in))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
@@ -326,9 +341,7 @@ class MambaMixer(nn.Module):
         out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
-        # the conv's rolling buffer: the last d_conv inputs, zeros before the first token
-        conv_state = F.pad(x_in.transpose(1, 2), (max(cfg.d_conv - L, 0), 0))[..., -cfg.d_conv:]  # (b, ED, d_conv)
-        return out, (conv_state.to(self.conv1d.weight.dtype).contiguous(), h_last)
+        return out, (self.conv_state_after(x_in), h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
@@ -344,12 +357,7 @@ class MambaMixer(nn.Module):
         hidden: (b, d_model); cache = (conv_state, ssm_state), updated in place. -> (b, d_model)"""
         conv_state, ssm_state = cache  # (b, ED, d_conv), (b, ED, N) fp32
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, ED) each
-        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))  # drop the oldest input
-        conv_state[:, :, -1] = x
-        x = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED) the conv at one position
-        if self.conv1d.bias is not None:
-            x = x + self.conv1d.bias
-        x = F.silu(x)  # (b, ED)
+        x = F.silu(self.conv_step(conv_state, x))  # (b, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, ED), (b, N), (b, N)
         x32, B, C, z = (_at_least_fp32(t) for t in (x, B, C, z))
         dA, dBx = discretize(x32, delta, self.A, B)  # (b, ED, N) each: one token
