@@ -36,9 +36,6 @@ wrapper, sampling and checkpoint helpers, and pscan.scan for the recurrence acro
 """
 
 import functools
-import json
-import math
-import os
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -83,7 +80,7 @@ def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
     G, N = B.shape[2:]
     if H % G != 0:
         raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+    if not mm._is_positive_int(chunk_size):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     expected = {"dt": (b, L, H), "A": (H,), "C": (b, L, G, N), "D": (H,), "h0": (b, H, P, N)}
     for name, t in (("dt", dt), ("A", A), ("C", C), ("D", D), ("h0", h0)):
@@ -386,7 +383,7 @@ class Mamba2Config:
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "d_conv", "expand", "headdim",
                      "ngroups", "chunk_size", "pad_vocab_size_multiple"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not mm._is_positive_int(value):
                 raise ValueError(f"Mamba2Config.{name} must be a positive integer, got {value!r}")
         if self.d_ssm is None:
             self.d_ssm = self.d_inner
@@ -486,10 +483,7 @@ class Mamba2Mixer(nn.Module):
         [dt_min, dt_max], floored, stored through the inverse softplus in dt_bias; D = 1."""
         cfg, H = self.cfg, self.cfg.nheads
         self.A_log.copy_(torch.empty(H).uniform_(*cfg.A_init_range).log())
-        u = torch.rand(H)
-        dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
-        dt = dt.clamp(min=cfg.dt_init_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.dt_bias.copy_(mm.dt_bias_init(H, cfg))  # Mamba-1's Δ init, one per head
         self.D.fill_(1.0)
 
     @property

@@ -232,6 +232,15 @@ class RMSNorm(nn.Module):
         return out.to(self.weight.dtype) * self.weight
 
 
+def dt_bias_init(n, cfg):
+    """n initial step sizes Δ, log-uniform in [dt_min, dt_max] and floored at dt_init_floor (the
+    official init, Mamba-2's too), returned as the bias whose softplus gives them: softplus^-1(Δ)."""
+    u = torch.rand(n)
+    dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
+    dt = dt.clamp(min=cfg.dt_init_floor)
+    return dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+
+
 class MambaMixer(nn.Module):
     """The Mamba block (the official `Mamba` module, named `mixer` in the official tree; the
     paper's §3.4 and Figure 3). Its forward mirrors the official Mamba.forward / mamba_inner_ref:
@@ -271,11 +280,7 @@ class MambaMixer(nn.Module):
             nn.init.constant_(self.dt_proj.weight, std)
         else:
             nn.init.uniform_(self.dt_proj.weight, -std, std)
-        # Δ log-uniform in [dt_min, dt_max], floored; the bias is its inverse softplus
-        u = torch.rand(cfg.d_inner)
-        dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
-        dt = dt.clamp(min=cfg.dt_init_floor)
-        self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.dt_proj.bias.copy_(dt_bias_init(cfg.d_inner, cfg))
         # A = -(1, 2, ..., N) in every channel: a spread of decay rates (the S4D-real init)
         self.A_log.copy_(torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float32)).repeat(cfg.d_inner, 1))
         self.D.fill_(1.0)
@@ -760,7 +765,7 @@ def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_siz
     """The scan chunk by chunk (fp32 inputs). Returns y (b, L, ED) and the final state (b, ED, N)."""
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+    if not _is_positive_int(chunk_size):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     b, l, ed = x.shape
     T = chunk_size
