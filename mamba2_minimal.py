@@ -592,19 +592,21 @@ class Mamba2LM(mm.MambaLM):
     def __init__(self, cfg: Mamba2Config):
         super().__init__(cfg, mixer_cls=Mamba2Mixer)  # Block and MixerModel as in Mamba-1
 
+    @classmethod
+    def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
+        return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
     # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (b, conv_dim, d_conv)
     # and the SSM state (b, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
-    # SSD over the prompt and returns both; each further token is one O(1) step. MambaLM's
-    # prefill, step and generate run it unchanged: step checks the cache against each mixer's
-    # cache_spec, then calls Mamba2Mixer.step layer by layer.
-
-    @classmethod
-    def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
-        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
-        return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+    # SSD over the prompt and returns both; each further token is one O(1) step. No code of its
+    # own here: the per-layer pieces are Mamba2Mixer.cache_spec and Mamba2Mixer.step (section 4,
+    # the step being section 1's ssd_step on the cache), and MambaLM's prefill, step and generate
+    # run them unchanged: step checks the cache against each mixer's cache_spec, then calls
+    # Mamba2Mixer.step layer by layer.
 
 
 # ------------------------------------------------------------------------------------------------
