@@ -78,6 +78,10 @@ ARCH_DEFAULTS = {
 ARCH_FLAGS = {"d_state": ("mamba", "mamba2"), "headdim": ("mamba2",), "n_head": ("gpt",),
               "scan_backend": ("mamba",), "compile": ("mamba", "mamba2")}  # model flags that only some archs have
 
+# Set once at start-up: RANK and WORLD by the process setup (0 and 1 without torchrun), VOCAB_SIZE
+# from the text. Module-level, so that log, get_batch and loss_fn need no extra arguments.
+RANK, WORLD, VOCAB_SIZE = 0, 1, None
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -352,8 +356,9 @@ def get_batch(split, step, args, device):
 
 
 def windows(split, starts, block_size, device):
-    x = torch.stack([split[i:i + block_size] for i in starts.tolist()])  # (B, T)
-    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts.tolist()])  # (B, T)
+    starts = starts.tolist()
+    x = torch.stack([split[i:i + block_size] for i in starts])  # (B, T)
+    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (B, T)
     return x.to(device), y.to(device)
 
 
@@ -426,10 +431,11 @@ def mean_loss(model, split, starts, args, device, autocast):
     """Mean loss over fixed windows, split across processes and averaged."""
     model.eval()
     mine = starts[RANK::WORLD]
-    total = torch.zeros(2, device=device)  # (sum of losses, count)
+    loss_sum = torch.zeros((), device=device)
     for i in range(0, len(mine), args.batch_size):
         x, y = windows(split, mine[i:i + args.batch_size], args.block_size, device)
-        total += torch.stack([loss_fn(model, x, y, autocast) * len(x), torch.tensor(float(len(x)), device=device)])
+        loss_sum += loss_fn(model, x, y, autocast) * len(x)
+    total = torch.stack([loss_sum, torch.tensor(float(len(mine)), device=device)])  # (sum of losses, count)
     if WORLD > 1:
         dist.all_reduce(total)
     model.train()
@@ -506,7 +512,6 @@ def load_for_sampling(args, device):
 # The whole run
 # ------------------------------------------------------------------------------------------------
 
-RANK, WORLD, VOCAB_SIZE = 0, 1, None
 RUNTIME_FIELDS = ("scan_backend", "compile_scan", "compile_mixer", "chunk_size", "recompute")  # free to change on resume
 
 
@@ -716,8 +721,9 @@ class Run:
             dist.barrier()  # rank 0 has finished writing best.pt
         self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
         starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
-        set_compiled(self.raw_model, False)  # its last, smaller batch would cost a compile of its own
-        full_val = mean_loss(self.model, self.val_data, starts, args, self.device, self.autocast)
+        # eager, even after --compile-model: its last, smaller batch would cost a compile of its own
+        set_compiled(self.raw_model, False)
+        full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
         log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
             f"loss {full_val:.4f} (best checkpoint)")
         if RANK == 0:
