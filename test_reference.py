@@ -377,9 +377,10 @@ def test_transformers_config_names_map_to_their_fields():
          "expand": 3, "conv_kernel": 5, "time_step_rank": 7, "use_conv_bias": False, "use_bias": True,
          "time_step_min": 0.002, "time_step_max": 0.05, "time_step_floor": 0.0003, "time_step_scale": 0.5,
          "layer_norm_epsilon": 1e-4, "tie_word_embeddings": False, "residual_in_fp32": False,
-         "intermediate_size": 144, "time_step_init_scheme": "random", "hidden_act": "silu"}
+         "intermediate_size": 144, "time_step_init_scheme": "constant", "hidden_act": "silu"}
     cfg = mm.config_from_dict(d)
     expected = dict(d_model=48, n_layer=3, vocab_size=40, d_state=6, expand=3, d_conv=5, dt_rank=7,
                     conv_bias=False, bias=True, dt_min=0.002, dt_max=0.05, dt_init_floor=0.0003, dt_scale=0.5,
-                    norm_epsilon=1e-4, tie_embeddings=False, residual_in_fp32=False)
+                    norm_epsilon=1e-4, tie_embeddings=False, residual_in_fp32=False, dt_init="constant")
     assert {k: getattr(cfg, k) for k in expected} == expected
+    assert cfg.padded_vocab_size == 40  # transformers never pads the vocabulary
