@@ -560,20 +560,16 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 #
 # Here, in PyTorch: for a chunk of T steps, discretize, run the recurrence from the carried
 # state, contract with C, add D·x, gate with SiLU(z), and pass the last state on. In a forward
-# pass, and in training with recompute (below), only (b, T, ED, N) is ever alive. Eagerly this is still several passes over a small block; under
-# torch.compile, Inductor fuses the chunk into one kernel (C++ on a CPU, Triton on a GPU) that
-# reads x, Δ, B, C, z once and writes y once, the states staying in registers and cache.
+# pass, and in training with recompute (below), only (b, T, ED, N) is ever alive. Eagerly this
+# is still several passes over a small block; under torch.compile, Inductor fuses the chunk into
+# one kernel (C++ on a CPU, Triton on a GPU) that reads x, Δ, B, C, z once and writes y once,
+# the states staying in registers and cache.
 #
-# How this chunk relates to pscan.scan_chunked. Both split the sequence into chunks and carry
-# the state across them. pscan.scan_chunked scans *inside* every chunk in parallel (all chunks at
-# once from a zero state), then scans the chunks' summaries and corrects every chunk by its
-# carried-in state: the classic two-level GPU scan, and the shape of Mamba-2's chunked SSD
-# (mamba2_minimal.py). The official Mamba-1 kernel is the sequential variant of it: one thread
-# block walks the chunks in order and seeds each chunk's parallel scan with the carried state,
-# so it needs no correction pass. Here each chunk runs its T steps one after another inside one fused kernel,
-# and the chunks follow each other, so the carried state is simply the last one: no summary
-# scan, no correction pass. The parallelism is across the b·ED·N independent recurrences, which
-# fill a CPU's vector lanes.
+# Unlike pscan.scan_chunked (pscan.py section 7), which scans every chunk from a zero state in
+# parallel and then corrects each by its carried-in state, each chunk here runs its T steps one
+# after another from the carried state, as the official kernel walks its chunks: so there is no
+# summary scan and no correction pass. The parallelism is across the b·ED·N independent
+# recurrences, which fill a CPU's vector lanes.
 #
 # The chunk length T = 16 (chunk_size) was measured: 32 halves the number of calls but trains
 # slower (the backward kernel grows) and compiles twice as long (README, "The selective scan
