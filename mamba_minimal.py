@@ -1056,9 +1056,9 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
     n = A.shape[1]
     expected = {"delta": (b, l, ed), "B": (b, l, n), "C": (b, l, n), "D": (ed,), "z": (b, l, ed),
                 "h0": (b, ed, n)}
-    for name, t in (("delta", delta), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
-        if t is not None and tuple(t.shape) != expected[name]:
-            raise ValueError(f"{name} must have shape {expected[name]}, got {tuple(t.shape)}")
+    for name, shape in expected.items():
+        if name in given and tuple(given[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(given[name].shape)}")
 
 
 def _check_token_ids(input_ids, rank=2):
