@@ -32,9 +32,6 @@ def without(argv, *flags):
     return out
 
 
-TIMED = TINY  # time-based runs warm up over --warmup-iters steps too
-
-
 @pytest.fixture
 def text_file(tmp_path):
     lines = ["First Citizen: we are accounted poor citizens, the patricians good.",
@@ -268,7 +265,7 @@ def test_time_budget_sets_schedule_evaluations_and_stop(text_file, tmp_path, cap
     fake_clock(monkeypatch, 1.0)  # every step takes one second
     out_dir = str(tmp_path / "timed")
     args = ["--data", text_file, "--out-dir", out_dir, "--max-time", "10",
-            "--num-evals", "5", "--min-lr", "0.001"] + TIMED
+            "--num-evals", "5", "--min-lr", "0.001"] + TINY
     run(args, capsys)
     # step k starts after k seconds: cosine from 0.01 to 0.001 over the 10 s, times the warmup
     # over the first 2 steps (TINY's --warmup-iters)
@@ -284,7 +281,7 @@ def test_a_step_that_passes_several_eval_points_evaluates_once(text_file, tmp_pa
     fake_clock(monkeypatch, 3.0)  # each step passes 1.5 eval points of 2 s
     out_dir = str(tmp_path / "timed")
     run(["--data", text_file, "--out-dir", out_dir, "--max-time", "10", "--num-evals", "5"]
-        + TIMED, capsys)
+        + TINY, capsys)
     assert len(lrs) == 4  # 3, 6, 9, 12 s: the fourth step ends past the budget
     assert [r["step"] for r in evals(out_dir) if "val_loss" in r] == [1, 2, 3, 4]
 
@@ -311,22 +308,15 @@ def test_time_and_iteration_flags_do_not_mix(text_file, tmp_path):
 
 
 def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monkeypatch):
-    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TIMED
+    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TINY
     fake_clock(monkeypatch, 1.0)
     straight = str(tmp_path / "straight")
     run(common + ["--out-dir", straight], capsys)
     broken = str(tmp_path / "broken")
-    real_get_batch = ts.get_batch
-
-    def killed_at_step_6(split, step, *a):
-        if step == 6:
-            raise KeyboardInterrupt
-        return real_get_batch(split, step, *a)
-
-    monkeypatch.setattr(ts, "get_batch", killed_at_step_6)
-    with pytest.raises(KeyboardInterrupt):
-        run(common + ["--out-dir", broken], capsys)
-    monkeypatch.setattr(ts, "get_batch", real_get_batch)
+    with monkeypatch.context() as m:
+        killed_at(m, 6)
+        with pytest.raises(KeyboardInterrupt):
+            run(common + ["--out-dir", broken], capsys)
     fake_clock(monkeypatch, 1.0)  # a new process: the clock reads anything, only differences count
     out = run(common + ["--out-dir", broken, "--resume"], capsys)
     assert "at step 4" in out
