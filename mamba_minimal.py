@@ -758,7 +758,10 @@ def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
 
 def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
                            recompute=True, compile=False):
-    """The scan chunk by chunk (fp32 inputs). Returns y (b, L, ED) and the final state (b, ED, N)."""
+    """The scan chunk by chunk, computed in fp32 at least (as section 2). Returns y (b, L, ED) and
+    the final state (b, ED, N)."""
+    x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
+    D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
     if not _is_positive_int(chunk_size):
@@ -800,7 +803,7 @@ def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_siz
 
 # "chunked" here names the fused path above; pscan.scan_chunked, the two-level scan of pscan.py,
 # is a different algorithm that selective_scan does not use (it is slower than pscan on a CPU).
-SCAN_BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "associative", "chunked")
+SCAN_BACKENDS = pscan.BACKENDS  # the same names; only "chunked" is routed differently
 COMPILE_MODES = (False, True, "loop")
 
 
@@ -826,8 +829,6 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
     _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile)
     out_dtype = x.dtype
     if compile or backend == "chunked":
-        x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
-        D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
         y, h_last = chunked_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
     else:
         y, h_last = selective_scan_reference(x, delta, A, B, C, D, z, h0, backend)
