@@ -102,12 +102,7 @@ def scan_time_invariant(a, b, h0=None):
     Returns:
         h:  (batch, L, *rest), equal to scan_sequential(a expanded over L, b, h0)
     """
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or b.dim() < 2 \
-            or tuple(a.shape) != (b.shape[0],) + tuple(b.shape[2:]):
-        raise ValueError(f"a must have shape (batch, *rest) of b (batch, L, *rest), got "
-                         f"{_shape(a) if isinstance(a, torch.Tensor) else type(a).__name__} and "
-                         f"{_shape(b) if isinstance(b, torch.Tensor) else type(b).__name__}")
-    dtype = _check_inputs(a.unsqueeze(1).expand_as(b), b, h0)
+    dtype = _check_time_invariant_inputs(a, b, h0)
     L = b.shape[1]
     k = torch.arange(L, device=b.device, dtype=dtype).view((1, L) + (1,) * (b.dim() - 2))
     kernel = a.to(dtype).unsqueeze(1) ** k  # (batch, L, *rest)  K_k = a^k
@@ -616,7 +611,8 @@ def scan(a, b, h0=None, backend="auto"):
 # What every backend accepts, checked before anything runs; kept here, out of the story's way.
 
 def _shape(t):
-    return tuple(t.shape)
+    """A tensor's shape, or the type's name for anything else: what an error message shows."""
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _check_inputs(a, b, h0):
@@ -636,9 +632,18 @@ def _check_inputs(a, b, h0):
     if h0 is not None:
         expected = (a.shape[0],) + tuple(a.shape[2:])
         if not isinstance(h0, torch.Tensor) or tuple(h0.shape) != expected:
-            got = _shape(h0) if isinstance(h0, torch.Tensor) else type(h0).__name__
-            raise ValueError(f"h0 must have shape (batch, *rest) = {expected}, got {got}")
+            raise ValueError(f"h0 must have shape (batch, *rest) = {expected}, got {_shape(h0)}")
         if h0.device != a.device:
             raise ValueError(f"h0 must be on {a.device}, got {h0.device}")
     # half precision is accumulated in fp32: see section 1
     return torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
+
+
+def _check_time_invariant_inputs(a, b, h0):
+    """scan_time_invariant's a is (batch, *rest), one multiplier for every step; then the checks
+    of _check_inputs. Returns the dtype to accumulate in."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or b.dim() < 2 \
+            or tuple(a.shape) != (b.shape[0],) + tuple(b.shape[2:]):
+        raise ValueError(f"a must have shape (batch, *rest) of b (batch, L, *rest), got {_shape(a)} "
+                         f"and {_shape(b)}")
+    return _check_inputs(a.unsqueeze(1).expand_as(b), b, h0)
