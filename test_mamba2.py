@@ -316,6 +316,27 @@ def reference_mixer(mixer, u, p=None):
     return y @ p["out_proj.weight"].T + (p["out_proj.bias"] if cfg.bias else 0)
 
 
+def perturbed_mixer(cfg):
+    """A float64 mixer whose parameters are moved off their init values, which hide mistakes."""
+    torch.manual_seed(0)
+    mixer = m2.Mamba2Mixer(cfg).double()
+    with torch.no_grad():
+        for p in mixer.parameters():
+            p.add_(torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.05))
+    return mixer
+
+
+def reference_with_gradients(mixer, u):
+    """reference_mixer in float64 on u's values, with a random weighting of its output and the
+    gradients of that weighting with respect to u and every parameter (in named_parameters order)."""
+    u64 = u.detach().double().requires_grad_()
+    weights = {k: v.detach().double().requires_grad_() for k, v in mixer.state_dict().items()}
+    expected = reference_mixer(mixer, u64, weights)
+    grad_out = torch.randn_like(expected)
+    names = [name for name, _ in mixer.named_parameters()]
+    return expected, grad_out, torch.autograd.grad(expected, [u64] + [weights[n] for n in names], grad_out)
+
+
 @pytest.mark.parametrize("kw", [
     dict(),
     dict(ngroups=1, chunk_size=4, d_conv=3),
@@ -323,13 +344,8 @@ def reference_mixer(mixer, u, p=None):
     dict(dt_limit=(0.05, 0.5), bias=True, conv_bias=False, d_state=4),
 ])
 def test_mixer_matches_a_plain_float64_reference(kw):
-    torch.manual_seed(0)
-    cfg = small_config(**kw)
-    mixer = m2.Mamba2Mixer(cfg).double()
-    with torch.no_grad():  # move the parameters off their init values, which hide mistakes
-        for name, p in mixer.named_parameters():
-            p.add_(torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.05))
-    u = torch.randn(2, 19, cfg.d_model, dtype=torch.float64)
+    mixer = perturbed_mixer(small_config(**kw))
+    u = torch.randn(2, 19, mixer.cfg.d_model, dtype=torch.float64)
     torch.testing.assert_close(mixer(u), reference_mixer(mixer, u), atol=1e-10, rtol=1e-9)
 
 
@@ -337,42 +353,27 @@ def test_mixer_matches_a_plain_float64_reference(kw):
 def test_compiled_mixer_matches_the_float64_reference_forward_and_every_gradient(monkeypatch):
     # chunks of 8 steps: L = 8, one chunk, the training case, then the same shape again, which
     # must compile nothing new; L = 5, one padded chunk; L = 19, three chunks, compiled as
-    # separate graphs around the scan across chunks.
+    # separate graphs around the scan across chunks. Then fp32 over two chunks, the shape at
+    # which steps 1 and 2 of ssd() in one compiled graph made a backward that corrupted memory
+    # on torch 2.13's CPU compiler (README, "Mamba-2 (SSD)").
     compiled_calls = []
     real = m2._compiled_forward
     monkeypatch.setattr(m2, "_compiled_forward", lambda device: compiled_calls.append(device) or real(device))
-    torch.manual_seed(0)
-    mixer = m2.Mamba2Mixer(small_config(compile_mixer=True)).double()
-    with torch.no_grad():
-        for p in mixer.parameters():
-            p.add_(torch.randn_like(p) * (0.5 if p.dim() == 1 else 0.05))
-    names = [name for name, _ in mixer.named_parameters()]
-    for i, L in enumerate((8, 8, 5, 19)):
-        u = torch.randn(2, L, 32, dtype=torch.float64, requires_grad=True)
-        weights = {k: v.detach().clone().requires_grad_() for k, v in mixer.state_dict().items()}
-        expected = reference_mixer(mixer, u, weights)
-        grad_out = torch.randn_like(expected)
-        expected_grads = torch.autograd.grad(expected, [u] + [weights[n] for n in names], grad_out)
+    mixer = perturbed_mixer(small_config(compile_mixer=True))
+    names = ["y", "u"] + [name for name, _ in mixer.named_parameters()]
+    for i, (L, dtype) in enumerate([(8, torch.float64), (8, torch.float64), (5, torch.float64),
+                                    (19, torch.float64), (16, torch.float32)]):
+        mixer.to(dtype)
+        u = torch.randn(2, L, 32, dtype=dtype, requires_grad=True)
+        expected, grad_out, expected_grads = reference_with_gradients(mixer, u)
         again = i == 1 and hasattr(torch.compiler, "set_stance")  # set_stance: torch >= 2.6
         with torch.compiler.set_stance("fail_on_recompile") if again else contextlib.nullcontext():
             got = mixer(u)
-            got_grads = torch.autograd.grad(got, [u] + list(mixer.parameters()), grad_out)
-        assert_all_close([got] + list(got_grads), [expected] + list(expected_grads), names=["y", "u"] + names)
-    assert compiled_calls == ["cpu"] * 4  # every call went through torch.compile
-    # fp32, two chunks: the shape at which steps 1 and 2 of ssd() in one compiled graph made a
-    # backward that corrupted memory on torch 2.13's CPU compiler (README, "Mamba-2 (SSD)")
-    mixer.float()
-    u = torch.randn(2, 16, 32, requires_grad=True)
-    weights = {k: v.detach().double().requires_grad_() for k, v in mixer.state_dict().items()}
-    u64 = u.detach().double().requires_grad_()
-    expected = reference_mixer(mixer, u64, weights)
-    grad_out = torch.randn_like(expected)
-    expected_grads = torch.autograd.grad(expected, [u64] + [weights[n] for n in names], grad_out)
-    got = mixer(u)
-    got_grads = torch.autograd.grad(got, [u] + list(mixer.parameters()), grad_out.float())
-    assert_all_close([t.double() for t in [got] + list(got_grads)], [expected] + list(expected_grads),
-                     atol=1e-4, rtol=1e-4, names=["y", "u"] + names)
-    assert compiled_calls == ["cpu"] * 5
+            got_grads = torch.autograd.grad(got, [u] + list(mixer.parameters()), grad_out.to(dtype))
+        tol = dict(atol=1e-10, rtol=1e-9) if dtype == torch.float64 else dict(atol=1e-4, rtol=1e-4)
+        assert_all_close([t.double() for t in [got] + list(got_grads)], [expected] + list(expected_grads),
+                         names=names, **tol)
+    assert compiled_calls == ["cpu"] * 5  # every call went through torch.compile
 
 
 def test_module_tree_and_shapes_follow_the_official_mamba2():
