@@ -556,9 +556,7 @@ HF_CONFIG = {"model_type": "mamba2", "hidden_size": 32, "num_hidden_layers": 2, 
 
 def test_official_layout_loads_strictly_with_a_padded_vocab(tmp_path):
     torch.manual_seed(0)
-    cfg = Mamba2Config(**{k: v for k, v in OFFICIAL_CONFIG.items() if k in ("d_model", "n_layer", "vocab_size",
-                                                                            "pad_vocab_size_multiple")},
-                       d_state=8, headdim=16, ngroups=2, chunk_size=8)
+    cfg = small_config(pad_vocab_size_multiple=16)  # the model OFFICIAL_CONFIG describes
     src = Mamba2LM(cfg).eval()
     assert src.lm_head.weight.shape[0] == 64
     folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, src.state_dict())
@@ -574,8 +572,7 @@ def test_official_layout_loads_strictly_with_a_padded_vocab(tmp_path):
 def test_loading_in_bf16_keeps_A_log_and_D_in_fp32_and_rejects_bad_json(tmp_path):
     # as Mamba-1's loader: rounding A_log to bf16 would move every head's decay rate
     torch.manual_seed(0)
-    src = Mamba2LM(Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2,
-                                chunk_size=8, pad_vocab_size_multiple=16))
+    src = Mamba2LM(small_config(pad_vocab_size_multiple=16))
     with torch.no_grad():
         for layer in src.backbone.layers:  # values that bf16 cannot hold exactly
             layer.mixer.A_log.copy_(torch.linspace(0.1234567, 2.7654321, layer.mixer.A_log.numel()))
@@ -594,8 +591,7 @@ def test_loading_in_bf16_keeps_A_log_and_D_in_fp32_and_rejects_bad_json(tmp_path
 @pytest.mark.parametrize("tied", [True, False])
 def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_head(tmp_path, tied):
     torch.manual_seed(0)
-    cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8,
-                       pad_vocab_size_multiple=1, tie_embeddings=tied)
+    cfg = small_config(pad_vocab_size_multiple=1, tie_embeddings=tied)
     src = Mamba2LM(cfg).eval()
     sd = {k.replace("backbone.embedding.", "backbone.embeddings."): v for k, v in src.state_dict().items()}
     if tied:
@@ -622,8 +618,7 @@ def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_
 ])
 def test_bad_official_checkpoints_raise_errors_that_name_the_problem(tmp_path, change, message):
     torch.manual_seed(0)
-    cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8,
-                       pad_vocab_size_multiple=16)
+    cfg = small_config(pad_vocab_size_multiple=16)
     config = json.loads(json.dumps(OFFICIAL_CONFIG))
     change(config)
     folder = write_checkpoint(tmp_path / "bad", config, Mamba2LM(cfg).state_dict())
@@ -632,8 +627,7 @@ def test_bad_official_checkpoints_raise_errors_that_name_the_problem(tmp_path, c
 
 
 def test_bad_transformers_checkpoints_and_missing_keys_raise(tmp_path):
-    src = Mamba2LM(Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2,
-                                chunk_size=8, pad_vocab_size_multiple=1))
+    src = Mamba2LM(small_config(pad_vocab_size_multiple=1))
     sd = src.state_dict()
     mamba1 = {"model_type": "mamba", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 50, "state_size": 8}
     for config, message in [(mamba1, "not Mamba-2; for Mamba-1 use mamba_minimal.MambaLM"),
@@ -668,8 +662,7 @@ def test_logits_equal_transformers_mamba2_on_the_same_weights(tmp_path, G):
 
 def test_mamba1_loader_refuses_a_mamba2_checkpoint(tmp_path):
     import mamba_minimal as mm
-    cfg = Mamba2Config(d_model=32, n_layer=2, vocab_size=50, d_state=8, headdim=16, ngroups=2, chunk_size=8,
-                       pad_vocab_size_multiple=16)
+    cfg = small_config(pad_vocab_size_multiple=16)
     folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, Mamba2LM(cfg).state_dict())
     with pytest.raises(ValueError, match="asks for Mamba2; load it with mamba2_minimal.Mamba2LM"):
         mm.MambaLM.from_pretrained(folder)
