@@ -82,7 +82,8 @@ def _at_least_fp32(t):
 # and could leave (0, 1) for a large Δ.
 #
 # Stability: A = -exp(A_log) < 0 and Δ = softplus(·) > 0, so every decay exp(Δ·A) lies in
-# (0, 1) and the state can only shrink by itself. A large Δ forgets the past (decay near 0) and
+# (0, 1) and the state can only shrink by itself. A is stored as A_log = log(-A) so that no
+# optimizer step can make it positive. A large Δ forgets the past (decay near 0) and
 # takes the current input in strongly; a small Δ keeps the past (decay near 1) and barely lets
 # the input in.
 #
@@ -90,6 +91,11 @@ def _at_least_fp32(t):
 # from the input, per token. They come from the conv output x_t, which has seen the last d_conv
 # tokens, not from the current token alone. A stays a learned constant: it reaches the
 # recurrence only through Δ·A, so a selective Δ already makes the decay selective (§3.5.2).
+#
+# Seen from attention: unrolling the recurrence, y_t = Σ_{s≤t} C_t·(dA_{s+1}···dA_t)·Δ_s·B_s·x_s.
+# That is causal linear attention with query C_t, key B_s, value Δ_s·x_s and, instead of a
+# softmax, a decay that the tokens between s and t choose. Mamba-2 (mamba2_minimal.py) makes the
+# decay one scalar per head, so that this sum can be computed as matrix products.
 
 def discretize(x, delta, A, B):
     """The step of the recurrence for every token (or for one token: drop the L below).
@@ -219,7 +225,7 @@ class MambaConfig:
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) · weight, computed in fp32."""
+    """x / sqrt(mean(x²) + eps) · weight: the normalisation in fp32, the product in the weight's dtype."""
 
     def __init__(self, d, eps=1e-5):
         super().__init__()
@@ -252,6 +258,14 @@ class MambaMixer(nn.Module):
 
     x is the scan's input; Δ, B and C are computed from the same x, so they see the last d_conv
     tokens through the conv.
+
+    Why each piece (paper §3.4, §3.6):
+      - the short causal conv (4 taps) mixes each channel with the last few tokens before the
+        scan, so that Δ, B and C can depend on a local context and not on one token alone;
+      - the gate SiLU(z) merges the H3 block with a gated MLP into one homogeneous block: one
+        branch carries the sequence mixing, the other decides per channel what passes;
+      - Δ is computed at low rank (d_model/16, then dt_proj back to ED channels): one step size
+        per channel from a few numbers per token, cheap next to the projections.
     """
 
     def __init__(self, cfg: MambaConfig):
@@ -293,17 +307,18 @@ class MambaMixer(nn.Module):
     def _ssm_inputs(self, x):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
-        dt, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
-        # the bias is added in fp32, as the official kernel adds its fp32 `delta_bias`: in bf16 the
-        # bias (about -2 to -7 at init) would round away the smaller data-dependent part
-        dt = _at_least_fp32(F.linear(dt, self.dt_proj.weight))  # (..., ED)
-        delta = F.softplus(dt + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
+        dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
+        # the bias is added in fp32, as the official kernel adds its fp32 `delta_bias`: in bf16,
+        # next to the bias (about -2 to -7 at init, spacing 1/32 there) the data-dependent part
+        # would be quantized in steps of about a tenth of its size
+        dt_raw = _at_least_fp32(F.linear(dt_low, self.dt_proj.weight))  # (..., ED) before softplus
+        delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
     def causal_conv(self, x):
         """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-d_conv+1+k}
         + bias. The same sum `step` computes on its rolling buffer. On a CPU its backward is much
-        cheaper than nn.Conv1d's (README, "One training step": the change behind the faster step).
+        cheaper than nn.Conv1d's, which dominated the training step when the model used it.
         x: (b, L, ED) -> (b, L, ED)"""
         width, L = self.cfg.d_conv, x.shape[1]
         w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
@@ -314,16 +329,16 @@ class MambaMixer(nn.Module):
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_step(self, conv_state, x):
-        """causal_conv at one new position, for `step`: push x (b, C) into the rolling buffer of the
-        last d_conv inputs, conv_state (b, C, d_conv), in place; -> (b, C)."""
+        """causal_conv at one new position, for `step`: push x (b, ED) into the rolling buffer of the
+        last d_conv inputs, conv_state (b, ED, d_conv), in place; -> (b, ED)."""
         conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))  # drop the oldest input
         conv_state[:, :, -1] = x
-        out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, C) the conv at one position
+        out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED) the conv at one position
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_state_after(self, x_in):
-        """The rolling buffer after the sequence x_in (b, L, C): its last d_conv inputs, zeros before
-        the first token, as a fresh (b, C, d_conv) tensor, so a cache does not keep the prompt's
+        """The rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros before
+        the first token, as a fresh (b, ED, d_conv) tensor, so a cache does not keep the prompt's
         activations alive."""
         d_conv = self.cfg.d_conv
         state = F.pad(x_in.transpose(1, 2), (max(d_conv - x_in.shape[1], 0), 0))[..., -d_conv:]
@@ -377,7 +392,12 @@ class MambaMixer(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 class Block(nn.Module):
-    """Pre-norm residual block: h = h + mixer(norm(h)); the residual stream stays fp32."""
+    """Pre-norm residual block: h = h + mixer(norm(h)); the residual stream stays fp32.
+
+    The official Block is ordered Add -> Norm -> Mixer, so that its kernel fuses the residual add
+    with the next norm: it takes the previous block's output and residual, adds them, normalises,
+    and returns the mixer's output and the new residual. The sums are the same as here, grouped
+    differently; the final norm_f does the last add."""
 
     def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer):
         super().__init__()
