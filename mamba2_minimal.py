@@ -267,7 +267,7 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 #   3. across chunks, h_k = exp(a_0 + ... + a_{T-1})·h_{k-1} + E_k: the first-order recurrence of
 #      pscan.py over the chunk index (its multiplier the chunk's whole decay), run with
 #      pscan.scan. There are only K = L/T steps, each a whole (H, P, N) state.
-#   4. each chunk's output from its carried-in state: y_t += exp(a_0 + ... + a_t)·C_t·h_{k-1}
+#   4. each chunk's output from its carried-in state: y_t += exp(a_0 + ... + a_t)·h_{k-1}·C_t
 #
 # Only step 3 is a recurrence, and it is T times shorter than the sequence. ssd_minimal.py
 # runs it as one more quadratic form, over chunks (K² work), the official Triton kernels as a
@@ -519,18 +519,14 @@ class Mamba2Mixer(nn.Module):
 
     # Opt-in speed: cfg.compile_mixer runs this forward through torch.compile. Chunked SSD has
     # already turned the sequence work into matmuls; what is left to win on a CPU is the
-    # elementwise work around them (the conv's multiply-adds, SiLU, the decay mask, the gate, the
-    # norm), which eager PyTorch runs as one pass over memory per operation, forward and
-    # backward. Inductor fuses runs of them into single loops: about 1.3x per training step for
-    # the trainer's default Mamba-2, where a block is one chunk (`python bench.py mamba2_train`,
-    # 2-core Intel Xeon with AVX-512); with many chunks the backward gains little. One compiled
-    # graph serves every layer, since they differ only
-    # in their parameters, which the graph takes as inputs; it is made again for a new input
-    # shape or grad mode. With several chunks the code runs as three graphs: ssd() starts a new
-    # one at its step 2, and pscan.scan runs eagerly in step 3 (its autograd Function, the
-    # "pscan" backend that "auto" picks for training, has a forward-mode rule, jvp, that the
-    # compiler refuses). Prefill (want_cache) and step() stay eager: prompts vary in length,
-    # and each new length would compile again.
+    # elementwise work around them (conv, SiLU, decay mask, gate, norm), one pass over memory per
+    # op in eager mode, which Inductor fuses into loops: about 1.3x per training step for the
+    # trainer's default Mamba-2, a block of one chunk (`python bench.py mamba2_train`, 2-core
+    # Intel Xeon with AVX-512); with many chunks the backward gains little. One graph serves
+    # every layer (the parameters are its inputs); a new input shape or grad mode compiles again.
+    # With several chunks it runs as three graphs: ssd() breaks at its step 2, and pscan.scan runs
+    # eagerly (the compiler refuses its autograd Function's forward-mode rule, jvp). Prefill and
+    # step() stay eager: each new prompt length would compile again.
 
     def forward(self, u, want_cache=False):
         """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
@@ -613,12 +609,10 @@ class Mamba2LM(mm.MambaLM):
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
     # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (b, conv_dim, d_conv)
-    # and the SSM state (b, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
-    # SSD over the prompt and returns both; each further token is one O(1) step. No code of its
-    # own here: the per-layer pieces are Mamba2Mixer.cache_spec and Mamba2Mixer.step (section 4,
-    # the step being section 1's ssd_step on the cache), and MambaLM's prefill, step and generate
-    # run them unchanged: step checks the cache against each mixer's cache_spec, then calls
-    # Mamba2Mixer.step layer by layer.
+    # and the SSM state (b, H, P, N). MambaLM's prefill, step and generate run unchanged: prefill
+    # is forward with want_cache (chunked SSD over the prompt), and each further token is one O(1)
+    # Mamba2Mixer.step (section 1's ssd_step on the cache), after MambaLM.step has checked the
+    # cache against every mixer's cache_spec.
 
 
 # ------------------------------------------------------------------------------------------------
