@@ -314,8 +314,8 @@ def _hillis_steele(x, w, reverse=False):
 # shrinks geometrically with T: in fp32 it leaves the normal range once Σ Δ·|A| > 87 and is 0
 # past 103. That is harmless here, since it only scales the carried state, whose contribution is
 # then far below fp32's resolution anyway. It is fatal where a formulation divides by it, as in
-# h_t = P_t · Σ_{s<=t} b_s / P_s (a cumsum instead of a scan): 1/P_s overflows to inf, and
-# inf·0 is NaN; fp16 gets there once Σ Δ·|A| > 11. Mamba-2's ssd_minimal stays in log space
+# h_t = p_t · Σ_{s<=t} b_s / p_s with p_t = a_0·...·a_t (a cumsum instead of a scan): 1/p_s
+# overflows to inf, and inf·0 is NaN; fp16 gets there once Σ Δ·|A| > 11. Mamba-2's ssd_minimal stays in log space
 # instead: it adds up logs (`segsum`) and exponentiates the sums, so it never divides by an
 # underflowed product (mamba2_minimal.py section 2 forms those sums without cancellation).
 # chunk_size = 64 by default keeps the product in fp32's normal range for Δ·|A| up to about 1.3
