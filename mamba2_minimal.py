@@ -276,7 +276,7 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 # The decays within a chunk: step 4's prefix sums a_0 + ... + a_t are a plain cumsum, and step
 # 2's suffix sums a_{t+1} + ... + a_{T-1} a reversed cumsum, so neither subtracts one cumsum from
 # another (section 2). ssd_minimal.py takes step 2's as S_{T-1} - S_t, which is fine for T ≤ 256
-# in fp32 too; the form here needs no such argument.
+# in fp32 too; ssd() needs no such argument.
 #
 # Any L: the last chunk is padded with identity steps, Δ = 0, so exp(0·A) = 1 and Δ·x = 0: the
 # state passes through unchanged (the final state is exact) and the padded outputs are dropped.
@@ -354,7 +354,7 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
 # The official MambaLMHeadModel is one class for both generations: ssm_cfg["layer"] picks the
 # mixer, and everything around it (embedding, pre-norm residual blocks with an fp32 residual
 # stream, norm_f, tied head, the init of mixer_seq_simple's `_init_weights`) is shared. So is it
-# here: Mamba2LM is mamba_minimal.MambaLM with Mamba-2 mixers in its blocks.
+# in this file: Mamba2LM is mamba_minimal.MambaLM with Mamba-2 mixers in its blocks.
 
 @dataclass
 class Mamba2Config:

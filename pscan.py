@@ -125,7 +125,7 @@ def scan_time_invariant(a, b, h0=None):
 #
 #     (a1, b1) ∘ (a2, b2) = (a2*a1, a2*b1 + b2)                               (combine rule)
 #
-# Note the order: s1∘s2 here means "s1, then s2", read left to right as time runs, the opposite
+# Note the order: s1∘s2 means "s1, then s2", read left to right as time runs, the opposite
 # of the mathematician's f∘g ("g first").
 
 def _combine(first, then):
@@ -188,8 +188,8 @@ def _combine(first, then):
 # scan (Blelloch 1990), the "up-sweep/down-sweep" scan, has the same up-sweep but is *exclusive*:
 # it puts the identity step (1, 0) at the root and walks down swapping, so that element t ends
 # with 0:t, the prefix *before* it. One turns into the other with a shift or one combine per
-# element: inclusive_t = exclusive_t ∘ x_t. The down-sweep here needs neither identity nor swaps:
-# it only finishes the left elements, since the recursion has finished the right ones.
+# element: inclusive_t = exclusive_t ∘ x_t. The inclusive down-sweep needs neither identity nor
+# swaps: it only finishes the left elements, since the recursion has finished the right ones.
 #
 # Each level recurses on the right elements of its pairs (a view with twice the stride), so L
 # need not be a power of two: with an odd count, the last element sits out the up-sweep of that
@@ -312,14 +312,14 @@ def _hillis_steele(x, w, reverse=False):
 #
 # Why T is bounded. Step 3 multiplies by the product of a inside a chunk, exp(-Σ Δ_t·|A|), which
 # shrinks geometrically with T: in fp32 it leaves the normal range once Σ Δ·|A| > 87 and is 0
-# past 103. That is harmless here, since it only scales the carried state, whose contribution is
-# then far below fp32's resolution anyway. It is fatal where a formulation divides by it, as in
-# h_t = p_t · Σ_{s<=t} b_s / p_s with p_t = a_0·...·a_t (a cumsum instead of a scan): 1/p_s
-# overflows to inf, and inf·0 is NaN; fp16 gets there once Σ Δ·|A| > 11. Mamba-2's ssd_minimal stays in log space
-# instead: it adds up logs (`segsum`) and exponentiates the sums, so it never divides by an
-# underflowed product (mamba2_minimal.py section 2 forms those sums without cancellation).
-# chunk_size = 64 by default keeps the product in fp32's normal range for Δ·|A| up to about 1.3
-# per step (87 / 64).
+# past 103. That is harmless in this scan, since it only scales the carried state, whose
+# contribution is then far below fp32's resolution anyway. It is fatal where a formulation
+# divides by it, as in h_t = p_t · Σ_{s<=t} b_s / p_s with p_t = a_0·...·a_t (a cumsum instead
+# of a scan): 1/p_s overflows to inf, and inf·0 is NaN; fp16 gets there once Σ Δ·|A| > 11.
+# Mamba-2's ssd_minimal stays in log space instead: it adds up logs (`segsum`) and exponentiates
+# the sums, so it never divides by an underflowed product (mamba2_minimal.py section 2 forms
+# those sums without cancellation). chunk_size = 64 by default keeps the product in fp32's normal
+# range for Δ·|A| up to about 1.3 per step (87 / 64).
 
 def _two_level(x, w, reverse=False, chunk_size=64):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -450,7 +450,7 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 # ------------------------------------------------------------------------------------------------
 # scan() runs the recurrence with the backend named. "auto" runs pscan, except for forward-only
 # passes over wide steps on one CPU thread, where the loop is faster (appendix C). Hillis-Steele
-# and the two-level scan are here to teach and to count: on a CPU both are slower than pscan
+# and the two-level scan are in this file to teach and to count: on a CPU both are slower than pscan
 # (`python bench.py scan`). "chunked" and scan_chunked are the two-level scan's former names and
 # keep working.
 
