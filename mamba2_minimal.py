@@ -24,10 +24,10 @@ B is always the input matrix, never the batch.
     P        head dimension, headdim (a head's channels share one A and one Δ)
     G, N     ngroups and d_state: B and C are (b, L, G, N), shared by the H/G heads of a group
     x        the input of the SSM, per head                    (b, L, H, P)
-    dt       Δ, the step size (after softplus), one per token and head   (b, L, H)
-    dt_raw   in_proj's output for Δ, before dt_bias and softplus         (b, L, H)
+    dt       Δ, the step size after softplus, per token/head   (b, L, H)
+    dt_raw   in_proj's Δ output, before dt_bias and softplus   (b, L, H)
     A        a negative scalar per head                        (H,)
-    a        Δ·A, a log-decay ≤ 0; pscan.py's multiplier is its exp      (b, L, H)
+    a        Δ·A, a log-decay ≤ 0; exp(a) is pscan.py's a      (b, L, H)
     B, C     input and output projections of the state         (b, L, G, N)
     D        the skip y += D·x, per head (never d_model)       (H,)
     h        the state of one head, a P x N matrix             (b, H, P, N)
