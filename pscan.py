@@ -450,9 +450,9 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 # ------------------------------------------------------------------------------------------------
 # scan() runs the recurrence with the backend named. "auto" runs pscan, except for forward-only
 # passes over wide steps on one CPU thread, where the loop is faster (appendix C). Hillis-Steele
-# and the two-level scan are in this file to teach and to count: on a CPU both are slower than pscan
-# (`python bench.py scan`). "chunked" and scan_chunked are the two-level scan's former names and
-# keep working.
+# and the two-level scan are in this file to teach and to count: on a CPU both are slower than
+# pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B). "chunked" and
+# scan_chunked are the two-level scan's former names and keep working.
 
 BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative", "chunked")
 scan_chunked = scan_two_level
