@@ -24,12 +24,15 @@ B is always the input matrix, never the batch.
     P        head dimension, headdim (a head's channels share one A and one Δ)
     G, N     ngroups and d_state: B and C are (b, L, G, N), shared by the H/G heads of a group
     x        the input of the SSM, per head                    (b, L, H, P)
-    dt       Δ, the step size, one per token and head          (b, L, H)
+    dt       Δ, the step size after softplus, per token/head   (b, L, H)
+    dt_raw   in_proj's Δ output, before dt_bias and softplus   (b, L, H)
     A        a negative scalar per head                        (H,)
+    a        Δ·A, a log-decay ≤ 0; exp(a) is pscan.py's a      (b, L, H)
     B, C     input and output projections of the state         (b, L, G, N)
-    D        the skip y += D·x, per head                       (H,)
+    D        the skip y += D·x, per head (never d_model)       (H,)
     h        the state of one head, a P x N matrix             (b, H, P, N)
-    T        chunk_size, the length of one chunk in ssd()
+    M        the decay mask of the quadratic form, per head    (T, T)
+    T, K     chunk_size (the length of one chunk in ssd()) and the number of chunks
 
 Read mamba_minimal.py and pscan.py first: this file reuses their RMSNorm, causal conv, LM
 wrapper, sampling and checkpoint helpers, and pscan.scan for the recurrence across chunks.
@@ -61,7 +64,7 @@ from mamba_minimal import RMSNorm, _at_least_fp32
 #
 # The decay is now a single number per head and step: that is what section 2 exploits. B and C
 # are computed per token from the input, and G groups of them are shared by the H/G heads of
-# each group (head k uses group k // (H/G)), like the key/value groups of grouped-query attention.
+# each group (head j uses group j // (H/G)), like the key/value groups of grouped-query attention.
 
 def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
     """Raise ValueError naming what was expected."""
@@ -126,10 +129,10 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
     out_dtype = x.dtype
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     H, G = x.shape[2], B.shape[2]
-    B, C = (t.repeat_interleave(H // G, dim=2) for t in (B, C))  # (b, L, H, N): head k reads group k // (H/G)
+    B, C = (t.repeat_interleave(H // G, dim=2) for t in (B, C))  # (b, L, H, N): head j reads group j // (H/G)
     h = x.new_zeros(*x.shape[:1], *x.shape[2:], B.shape[-1]) if h0 is None else h0.to(x.dtype)  # (b, H, P, N)
     ys = []
-    # unbind, not x[:, t]: see pscan.py section 1 (indexing makes the backward quadratic in L)
+    # unbind, not x[:, t]: indexing would make the backward quadratic in L (pscan.py section 1)
     for x_t, dt_t, B_t, C_t in zip(x.unbind(1), dt.unbind(1), B.unbind(1), C.unbind(1)):
         h, y_t = ssd_step(h, x_t, dt_t, A, B_t, C_t)  # (b, H, P, N), (b, H, P)
         ys.append(y_t)
@@ -145,18 +148,21 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 # Unroll the recurrence from h_{-1} = 0: each input s ≤ t reaches step t decayed by every step
 # in between,
 #
-#     h_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·Δ_s·x_s·B_sᵀ          a_k = Δ_k·A_h (a log-decay, ≤ 0)
+#     h_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·Δ_s·x_s·B_sᵀ       a_t = Δ_t·A_h, a log-decay ≤ 0
 #     y_t = h_t·C_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·(C_t·B_s)·Δ_s·x_s
 #
-# For a sequence of T steps that is one matrix product (paper sections 3 to 5, "state space duality"):
+# (pscan.py's multiplier is exp(a_t), not a_t.) For a sequence of T steps that is one matrix
+# product (paper sections 3 to 5, "state space duality"):
 #
-#     Y = (L ∘ C·Bᵀ)·(Δ·X)        L[t, s] = exp(a_{s+1} + ... + a_t) for s ≤ t, 0 above
+#     Y = (M ∘ C·Bᵀ)·(Δ·X)        M[t, s] = exp(a_{s+1} + ... + a_t) for s ≤ t, 0 above
 #
-# This is causal attention with queries C, keys B and values Δ·X, where the softmax is replaced
-# by the decay mask L (1-semiseparable: every block below the diagonal has rank 1). It costs
-# O(T²) instead of the loop's O(T), but it is three matmuls with no step-by-step dependency.
-# Because A is one scalar per head, L is one (T, T) matrix per head; with Mamba-1's (ED, N)
-# decays it would be one per channel and state entry, and there would be no matmul to win.
+# This is causal linear attention with queries C, keys B and values Δ·X (the official
+# mamba2_simple.py: "X, B, C correspond to V, K, Q"), with the softmax replaced by the decay
+# mask M (1-semiseparable: every block below the diagonal has rank 1). It costs O(T²) instead of
+# the loop's O(T), but it is two matmuls and a mask with no step-by-step dependency. Because A
+# is one scalar per head, M is one (T, T) matrix per head. Mamba-1 is the same linear attention
+# with a decay per channel and state entry: one mask for each of its ED·N entries, and no matmul
+# to win.
 #
 # The segment sums a_{s+1} + ... + a_t. With the prefix sums S_t = a_0 + ... + a_t they are
 # S_t - S_s: one cumsum and one subtraction (segsum_by_difference below). Exact in exact
@@ -184,7 +190,7 @@ def segsum_by_difference(a):
 
 def segsum(a):
     """a (..., T) -> (..., T, T) with [t, s] = a_{s+1} + ... + a_t for s ≤ t (0 on the diagonal)
-    and -inf above it, so that exp() of it is the decay mask L. No subtraction: see above."""
+    and -inf above it, so that exp() of it is the decay mask M. No subtraction: see above."""
     T = a.shape[-1]
     below = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)  # s < t
     a_ks = torch.where(below, a.unsqueeze(-1), 0)  # (..., T, T): entry (k, s) = a_k if s < k, else 0
@@ -193,40 +199,41 @@ def segsum(a):
     return sums.masked_fill(~causal, -torch.inf)
 
 
-# The same three matmuls serve section 3, where they run on every chunk at once. To make them
-# batched matmuls we lay the heads out group-major: (..., G, H/G, T, P) for x and Δ, and
-# (..., G, 1, T, N) for B and C, so a group's B and C broadcast over its heads without a copy.
+# The same two matmuls and mask serve section 3, where they run on every chunk at once. To make
+# them batched matmuls, time goes next to last and the heads are split by group:
+# (..., G, H/G, T, P) for x and Δ, and (..., G, 1, T, N) for B and C, so a group's B and C
+# broadcast over its heads without a copy.
 
-def _head_major(t, G):
+def _heads_by_group(t, G):
     """(..., T, H, P) -> (..., G, H/G, T, P): heads of a group side by side, time next to last."""
     *lead, T, H, P = t.shape
     return t.reshape(*lead, T, G, H // G, P).movedim(-4, -2)
 
 
-def _head_major_scalar(t, G):
+def _heads_by_group_scalar(t, G):
     """(..., T, H) -> (..., G, H/G, T)."""
     *lead, T, H = t.shape
     return t.reshape(*lead, T, G, H // G).movedim(-3, -1)
 
 
-def _group_major(t):
+def _groups_over_heads(t):
     """(..., T, G, N) -> (..., G, 1, T, N): one matrix per group, broadcast over its heads."""
     return t.movedim(-3, -2).unsqueeze(-3)
 
 
 def _time_major(y):
-    """(..., G, H/G, T, P) -> (..., T, H, P), the inverse of _head_major."""
+    """(..., G, H/G, T, P) -> (..., T, H, P), the inverse of _heads_by_group."""
     y = y.movedim(-2, -4)  # (..., T, G, H/G, P)
     return y.reshape(*y.shape[:-3], y.shape[-3] * y.shape[-2], y.shape[-1])
 
 
 def _quadratic(xdt, a, B, C):
-    """Y = (L ∘ C·Bᵀ)·(Δ·X) from a zero state, batched over any leading dims.
+    """Y = (M ∘ C·Bᵀ)·(Δ·X) from a zero state, batched over any leading dims.
 
-    xdt: (..., G, H/G, T, P) = Δ·x;  a: (..., G, H/G, T) = Δ·A;  B, C: (..., G, 1, T, N)
+    xdt: (..., G, H/G, T, P) = Δ·x;  a: (..., G, H/G, T) = Δ·A, log-decays;  B, C: (..., G, 1, T, N)
     -> y: (..., G, H/G, T, P)
     """
-    decay = torch.exp(segsum(a))  # (..., G, H/G, T, T)  the mask L, one per head
+    decay = torch.exp(segsum(a))  # (..., G, H/G, T, T)  the mask M, one per head
     scores = C @ B.transpose(-1, -2)  # (..., G, 1, T, T)   C_t·B_s, one per group
     return (decay * scores) @ xdt  # (..., G, H/G, T, P)
 
@@ -238,9 +245,9 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
     out_dtype = x.dtype
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     G = B.shape[2]
-    xdt = _head_major(x * dt[..., None], G)  # (b, G, H/G, L, P)
-    a = _head_major_scalar(dt * A, G)  # (b, G, H/G, L)
-    y = _time_major(_quadratic(xdt, a, _group_major(B), _group_major(C)))  # (b, L, H, P)
+    xdt = _heads_by_group(x * dt[..., None], G)  # (b, G, H/G, L, P)
+    a = _heads_by_group_scalar(dt * A, G)  # (b, G, H/G, L)  log-decays
+    y = _time_major(_quadratic(xdt, a, _groups_over_heads(B), _groups_over_heads(C)))  # (b, L, H, P)
     if D is not None:
         y = y + D.to(x.dtype)[:, None] * x
     return y.to(out_dtype)
@@ -251,24 +258,25 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 # ------------------------------------------------------------------------------------------------
 # The loop is O(L) but sequential; the quadratic form is parallel but O(L²). Chunked SSD takes
 # the best of both (paper section 6, the official ssd_minimal.py's `ssd_minimal_discrete`): cut
-# the sequence into chunks of T steps and split each output into what its own chunk contributes
-# and what arrives through the state carried in from earlier chunks.
+# the sequence into K chunks of T steps and split each output into what its own chunk
+# contributes and what arrives through the state carried in from earlier chunks. Within a chunk
+# the steps are t = 0 .. T-1, as in section 2; chunk k ends in the state h_k, and h_{-1} = h0.
 #
 #   1. inside each chunk, the quadratic form from a zero state: (T, T) matmuls, all chunks at once
-#   2. each chunk's end state from a zero start: S_c = Σ_s exp(a_{s+1} + ... + a_T)·Δ_s·x_s·B_sᵀ
-#   3. across chunks, the state entering chunk c+1 is h_c = exp(a_1 + ... + a_T)·h_{c-1} + S_c:
-#      the first-order recurrence of pscan.py over the chunk index, run with pscan.scan
-#      (h_{-1} = h0). There are only L/T steps, each a whole (H, P, N) state.
-#   4. each chunk's output from its carried-in state: y_t += exp(a_1 + ... + a_t)·C_t·h_{c-1}
+#   2. each chunk's end state from a zero start: E_k = Σ_s exp(a_{s+1} + ... + a_{T-1})·Δ_s·x_s·B_sᵀ
+#   3. across chunks, h_k = exp(a_0 + ... + a_{T-1})·h_{k-1} + E_k: the first-order recurrence of
+#      pscan.py over the chunk index (its multiplier the chunk's whole decay), run with
+#      pscan.scan. There are only K = L/T steps, each a whole (H, P, N) state.
+#   4. each chunk's output from its carried-in state: y_t += exp(a_0 + ... + a_t)·h_{k-1}·C_t
 #
 # Only step 3 is a recurrence, and it is T times shorter than the sequence. ssd_minimal.py
-# runs it as one more quadratic form, over chunks ((L/T)² work), the official Triton kernels as a
-# loop over chunks; pscan.scan does it in O(L/T) work, as a loop or as a tree (pscan.py).
+# runs it as one more quadratic form, over chunks (K² work), the official Triton kernels as a
+# loop over chunks; pscan.scan does it in O(K) work, as a loop or as a tree (pscan.py).
 #
-# The decays within a chunk: step 4's prefix sums a_1 + ... + a_t are a plain cumsum, and step
-# 2's suffix sums a_{t+1} + ... + a_T a reversed cumsum, so neither subtracts one cumsum from
-# another (section 2). ssd_minimal.py takes step 2's as S_T - S_t, which is fine for T ≤ 256
-# in fp32 too; the form here needs no such argument.
+# The decays within a chunk: step 4's prefix sums a_0 + ... + a_t are a plain cumsum, and step
+# 2's suffix sums a_{t+1} + ... + a_{T-1} a reversed cumsum, so neither subtracts one cumsum from
+# another (section 2). ssd_minimal.py takes step 2's as S_{T-1} - S_t, which is fine for T ≤ 256
+# in fp32 too; ssd() needs no such argument.
 #
 # Any L: the last chunk is padded with identity steps, Δ = 0, so exp(0·A) = 1 and Δ·x = 0: the
 # state passes through unchanged (the final state is exact) and the padded outputs are dropped.
@@ -299,38 +307,36 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     pad = -L % T
     if pad:  # identity steps: Δ = 0 (and x, B, C = 0, so nothing is read or written)
         x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
-    n_chunks = (L + pad) // T
-    xdt = _head_major((x * dt[..., None]).reshape(b, n_chunks, T, H, P), G)  # (b, c, G, H/G, T, P)
-    a = _head_major_scalar((dt * A).reshape(b, n_chunks, T, H), G)  # (b, c, G, H/G, T)  log-decays
-    Bc = _group_major(B.reshape(b, n_chunks, T, G, N))  # (b, c, G, 1, T, N)
-    Cc = _group_major(C.reshape(b, n_chunks, T, G, N))  # (b, c, G, 1, T, N)
+    n_chunks = (L + pad) // T  # K
+    xdt = _heads_by_group((x * dt[..., None]).reshape(b, n_chunks, T, H, P), G)  # (b, K, G, H/G, T, P)
+    a = _heads_by_group_scalar((dt * A).reshape(b, n_chunks, T, H), G)  # (b, K, G, H/G, T)  log-decays
+    Bc = _groups_over_heads(B.reshape(b, n_chunks, T, G, N))  # (b, K, G, 1, T, N)
+    Cc = _groups_over_heads(C.reshape(b, n_chunks, T, G, N))  # (b, K, G, 1, T, N)
 
     # 1. every chunk on its own, from a zero state
-    y = _quadratic(xdt, a, Bc, Cc)  # (b, c, G, H/G, T, P)
+    y = _quadratic(xdt, a, Bc, Cc)  # (b, K, G, H/G, T, P)
 
     # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
         if torch.compiler.is_compiling():
-            # compiled (Mamba2Config.compile_mixer), step 2 starts a new graph (step 3's
-            # pscan.scan breaks it again): with steps 1 and 2 in one graph, torch 2.13's CPU
-            # compiler made a backward that corrupted memory (README, "Mamba-2 (SSD)").
-            # Eagerly this line is never reached.
+            # compiled (Mamba2Config.compile_mixer), step 2 starts a new graph: with steps 1 and 2
+            # in one graph, torch 2.13's CPU compiler made a backward that corrupted the heap.
             torch._dynamo.graph_break()
-        # 2. every chunk's end state from a zero state, each input decayed to the chunk's end
-        decay_from_start = torch.exp(a.cumsum(-1))  # (b, c, G, H/G, T)  exp(a_1 + ... + a_t)
-        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, G, H/G, T)  a_{t+1} + ... + a_T
-        states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (b, c, G, H/G, P, N)
+        # 2. every chunk's end state E_k from a zero state, input t decayed by a_{t+1} + ... + a_{T-1}
+        decay_from_start = torch.exp(a.cumsum(-1))  # (b, K, G, H/G, T)  exp(a_0 + ... + a_t)
+        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, K, G, H/G, T)
+        states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (b, K, G, H/G, P, N)
 
-        # 3. across chunks: h_c = exp(a_1 + ... + a_T)·h_{c-1} + S_c, with pscan.scan over c
-        chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (b, c, G, H/G, P, N)
+        # 3. across chunks: h_k = exp(a_0 + ... + a_{T-1})·h_{k-1} + E_k, with pscan.scan over k
+        chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (b, K, G, H/G, P, N)
         h_start = None if h0 is None else h0.to(x.dtype).reshape(b, G, H // G, P, N)  # (b, G, H/G, P, N)
-        h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (b, c, G, H/G, P, N)
+        h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (b, K, G, H/G, P, N)
         first = torch.zeros_like(h[:, :1]) if h_start is None else h_start.unsqueeze(1)
-        h_in = torch.cat([first, h[:, :-1]], dim=1)  # (b, c, G, H/G, P, N)  the state entering each chunk
+        h_in = torch.cat([first, h[:, :-1]], dim=1)  # (b, K, G, H/G, P, N)  the state entering each chunk
 
         # 4. what the carried-in state adds to each output, decayed to its position
-        y = y + (Cc @ h_in.transpose(-1, -2)) * decay_from_start[..., None]  # (b, c, G, H/G, T, P)
+        y = y + (Cc @ h_in.transpose(-1, -2)) * decay_from_start[..., None]  # (b, K, G, H/G, T, P)
 
     y = _time_major(y).reshape(b, n_chunks * T, H, P)[:, :L]  # (b, L, H, P)
     if D is not None:
@@ -348,7 +354,7 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
 # The official MambaLMHeadModel is one class for both generations: ssm_cfg["layer"] picks the
 # mixer, and everything around it (embedding, pre-norm residual blocks with an fp32 residual
 # stream, norm_f, tied head, the init of mixer_seq_simple's `_init_weights`) is shared. So is it
-# here: Mamba2LM is mamba_minimal.MambaLM with Mamba-2 mixers in its blocks.
+# in this file: Mamba2LM is mamba_minimal.MambaLM with Mamba-2 mixers in its blocks.
 
 @dataclass
 class Mamba2Config:
@@ -399,7 +405,8 @@ class Mamba2Config:
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
         if self.scan_backend not in pscan.BACKENDS:
-            raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
+            raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, "
+                             f"got {self.scan_backend!r}")
         if not isinstance(self.compile_mixer, bool):
             raise ValueError(f"Mamba2Config.compile_mixer must be True or False, got {self.compile_mixer!r}")
 
@@ -442,7 +449,7 @@ class Mamba2Mixer(nn.Module):
 
     u ─ in_proj ─┬─ z ───────────────────────────────────────────────────┐
                  ├─ x, B, C ─ causal conv1d ─ SiLU ─ x, B, C ─┐              │
-                 └─ dt ─ softplus(dt + dt_bias) ─ Δ ──────────┴─ SSD (+D·x) ─ y·SiLU(z) ─ RMSNorm
+                 └─ dt_raw ─ softplus(+ dt_bias) ─ dt ────────┴─ SSD (+D·x) ─ y·SiLU(z) ─ RMSNorm
                                                                   per group ─ out_proj
 
     Unlike Mamba-1, every SSM input (x, B, C and Δ) comes straight from in_proj, in parallel,
@@ -456,7 +463,7 @@ class Mamba2Mixer(nn.Module):
         H, G, N = cfg.nheads, cfg.ngroups, cfg.d_state
         self.d_mlp = cfg.d_inner - cfg.d_ssm  # 0 unless d_ssm < d_inner
         # in_proj's output, in the official order: [z0, x0 (the gated MLP, d_mlp each), z (d_ssm),
-        # xBC (d_ssm + 2·G·N), dt (H)]
+        # xBC (d_ssm + 2·G·N), dt_raw (H)]
         self.split_sizes = [self.d_mlp, self.d_mlp, cfg.d_ssm, cfg.conv_dim, H]
         self.in_proj = nn.Linear(cfg.d_model, sum(self.split_sizes), bias=cfg.bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim,
@@ -491,13 +498,14 @@ class Mamba2Mixer(nn.Module):
         """A = -exp(A_log) (H,), in fp32 even in a bf16 model: the decays exp(Δ·A) need it."""
         return -torch.exp(_at_least_fp32(self.A_log))
 
-    def _delta(self, dt):
-        """dt (..., H) from in_proj -> Δ = softplus(dt + dt_bias) (..., H) in fp32, within dt_limit."""
-        delta = F.softplus(_at_least_fp32(dt) + _at_least_fp32(self.dt_bias))
+    def _delta(self, dt_raw):
+        """dt_raw (..., H) from in_proj -> dt = Δ = softplus(dt_raw + dt_bias) (..., H) in fp32,
+        within dt_limit."""
+        dt = F.softplus(_at_least_fp32(dt_raw) + _at_least_fp32(self.dt_bias))
         low, high = self.cfg.dt_limit
         if (low, high) != (0.0, float("inf")):
-            delta = delta.clamp(low, high)
-        return delta
+            dt = dt.clamp(low, high)
+        return dt
 
     def _split(self, zxbcdt):
         return zxbcdt.split(self.split_sizes, dim=-1)
@@ -507,24 +515,22 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y, z)  # (..., d_ssm)
         if self.d_mlp:
             y = torch.cat([F.silu(z0) * x0, y.to(x0.dtype)], dim=-1)  # (..., d_inner)
-        return self.out_proj(y.to(self.out_proj.weight.dtype))  # (..., D)
+        return self.out_proj(y.to(self.out_proj.weight.dtype))  # (..., d_model)
 
     # Opt-in speed: cfg.compile_mixer runs this forward through torch.compile. Chunked SSD has
     # already turned the sequence work into matmuls; what is left to win on a CPU is the
-    # elementwise work around them (the conv's multiply-adds, SiLU, the decay mask, the gate, the
-    # norm), which eager PyTorch runs as one pass over memory per operation, forward and
-    # backward. Inductor fuses runs of them into single loops (README, "Mamba-2 (SSD)": about
-    # 1.3x per training step at the CPU default, where a block is one chunk; with many chunks
-    # the backward gains little). One compiled graph serves every layer, since they differ only
-    # in their parameters, which the graph takes as inputs; it is made again for a new input
-    # shape or grad mode. With several chunks the code runs as three graphs: ssd() starts a new
-    # one at its step 2, and pscan.scan runs eagerly in step 3 (its autograd Function, the
-    # "pscan" backend that "auto" picks for training, has a forward-mode rule, jvp, that the
-    # compiler refuses). Prefill (want_cache) and step() stay eager: prompts vary in length,
-    # and each new length would compile again.
+    # elementwise work around them (conv, SiLU, decay mask, gate, norm), one pass over memory per
+    # op in eager mode, which Inductor fuses into loops: about 1.3x per training step for the
+    # trainer's default Mamba-2, a block of one chunk (`python bench.py mamba2_train`, 2-core
+    # Intel Xeon with AVX-512); with many chunks the backward gains little. One graph serves
+    # every layer (the parameters are its inputs); a new input shape or grad mode compiles again.
+    # With several chunks it runs as three graphs: ssd() breaks at its step 2, and pscan.scan runs
+    # eagerly (the compiler refuses its autograd Function's forward-mode rule, jvp). Prefill and
+    # step() stay eager: each new prompt length would compile again.
 
     def forward(self, u, want_cache=False):
-        """u: (b, L, D) -> (b, L, D); with want_cache also the layer's (conv_state, ssm_state)."""
+        """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
+        (conv_state, ssm_state)."""
         if self.cfg.compile_mixer and not want_cache:
             return _compiled_forward(u.device.type)(self, u)
         return self._forward(u, want_cache)
@@ -532,14 +538,15 @@ class Mamba2Mixer(nn.Module):
     def _forward(self, u, want_cache=False):
         cfg = self.cfg
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
-        z0, x0, z, xBC_in, dt = self._split(self.in_proj(u))  # z (b, L, d_ssm), xBC (b, L, conv_dim), dt (b, L, H)
+        # z (b, L, d_ssm), xBC_in (b, L, conv_dim), dt_raw (b, L, H)
+        z0, x0, z, xBC_in, dt_raw = self._split(self.in_proj(u))
         xBC = F.silu(self.causal_conv(xBC_in))  # (b, L, conv_dim)
         x, B, C = xBC.split([cfg.d_ssm, G * N, G * N], dim=-1)
-        y = ssd(x.unflatten(-1, (H, P)), self._delta(dt), self.A, B.unflatten(-1, (G, N)),
+        y = ssd(x.unflatten(-1, (H, P)), self._delta(dt_raw), self.A, B.unflatten(-1, (G, N)),
                 C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, return_last_state=want_cache,
                 scan_backend=cfg.scan_backend)  # (b, L, H, P); with want_cache also the state (b, H, P, N)
         y, h_last = y if want_cache else (y, None)
-        out = self._finish(y.flatten(-2), z, z0, x0)  # (b, L, D)
+        out = self._finish(y.flatten(-2), z, z0, x0)  # (b, L, d_model)
         if not want_cache:
             return out
         return out, (self.conv_state_after(xBC_in), h_last)  # (b, conv_dim, d_conv), (b, H, P, N)
@@ -548,26 +555,27 @@ class Mamba2Mixer(nn.Module):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
         MambaLM.step checks a cache against it before writing into any layer."""
         cfg = self.cfg
-        return (("conv_state", (batch, cfg.conv_dim, cfg.d_conv), "batch, conv_dim, d_conv", self.conv1d.weight.dtype),
-                ("ssm_state", (batch, cfg.nheads, cfg.headdim, cfg.d_state), "batch, nheads, headdim, d_state",
-                 _at_least_fp32(self.A_log).dtype))
+        return (("conv_state", (batch, cfg.conv_dim, cfg.d_conv), "batch, conv_dim, d_conv",
+                 self.conv1d.weight.dtype),
+                ("ssm_state", (batch, cfg.nheads, cfg.headdim, cfg.d_state),
+                 "batch, nheads, headdim, d_state", _at_least_fp32(self.A_log).dtype))
 
     def step(self, u, cache):
-        """One token (the official Mamba2.step without its kernels). u: (b, D);
-        cache = (conv_state, ssm_state), updated in place. -> (b, D)"""
+        """One token (the official Mamba2.step without its kernels). u: (b, d_model);
+        cache = (conv_state, ssm_state), updated in place. -> (b, d_model)"""
         cfg = self.cfg
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
         conv_state, ssm_state = cache  # (b, conv_dim, d_conv), (b, H, P, N)
-        z0, x0, z, xBC, dt = self._split(self.in_proj(u))  # (b, ...) each
+        z0, x0, z, xBC, dt_raw = self._split(self.in_proj(u))  # (b, ...) each
         x, B, C = F.silu(self.conv_step(conv_state, xBC)).split([cfg.d_ssm, G * N, G * N], dim=-1)
-        delta = self._delta(dt).to(ssm_state.dtype)  # (b, H)
+        dt = self._delta(dt_raw).to(ssm_state.dtype)  # (b, H)
         x = x.unflatten(-1, (H, P)).to(ssm_state.dtype)  # (b, H, P)
         B, C = (t.unflatten(-1, (G, N)).repeat_interleave(H // G, dim=1).to(ssm_state.dtype)
-                for t in (B, C))  # (b, H, N) each: head k reads group k // (H/G)
-        h, y = ssd_step(ssm_state, x, delta, self.A.to(ssm_state.dtype), B, C)  # section 1's step
+                for t in (B, C))  # (b, H, N) each: head j reads group j // (H/G)
+        h, y = ssd_step(ssm_state, x, dt, self.A.to(ssm_state.dtype), B, C)  # section 1's step
         ssm_state.copy_(h)
         y = y + self.D.to(x.dtype)[:, None] * x  # (b, H, P)
-        return self._finish(y.flatten(-2), z, z0, x0)  # (b, D)
+        return self._finish(y.flatten(-2), z, z0, x0)  # (b, d_model)
 
 
 @functools.cache
@@ -601,12 +609,10 @@ class Mamba2LM(mm.MambaLM):
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
     # A layer's memory of the past: the conv's last d_conv inputs of x, B, C (b, conv_dim, d_conv)
-    # and the SSM state (b, H, P, N). prefill (MambaLM's: forward with want_cache) runs chunked
-    # SSD over the prompt and returns both; each further token is one O(1) step. No code of its
-    # own here: the per-layer pieces are Mamba2Mixer.cache_spec and Mamba2Mixer.step (section 4,
-    # the step being section 1's ssd_step on the cache), and MambaLM's prefill, step and generate
-    # run them unchanged: step checks the cache against each mixer's cache_spec, then calls
-    # Mamba2Mixer.step layer by layer.
+    # and the SSM state (b, H, P, N). MambaLM's prefill, step and generate run unchanged: prefill
+    # is forward with want_cache (chunked SSD over the prompt), and each further token is one O(1)
+    # Mamba2Mixer.step (section 1's ssd_step on the cache), after MambaLM.step has checked the
+    # cache against every mixer's cache_spec.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -668,7 +674,8 @@ def config_from_dict(d, **overrides):
             raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
                              f"only (for Mamba-1 use mamba_minimal.MambaLM.from_pretrained)")
         if d.get("d_intermediate", 0):
-            raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) is not supported")
+            raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) "
+                             f"is not supported")
         if d.get("attn_layer_idx"):
             raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
         if d.get("rms_norm") is False:

@@ -1,23 +1,30 @@
 """
-pscan.py: every way to run the first-order linear recurrence
+pscan.py: the recurrence at the heart of Mamba, and every way to run it
 
-    h_t = a_t * h_{t-1} + b_t          (t = 0 .. L-1, h_{-1} = h0, zero by default)
+    h_t = a_t * h_{t-1} + b_t          t = 0 .. L-1, from h_{-1} = h0 (zero by default)
 
-which is the heart of a selective state space model: in Mamba (Gu & Dao 2023, arXiv 2312.00752,
-§3.2 and Algorithm 2), a_t = exp(Δ_t·A) and b_t = Δ_t·B_t·x_t, elementwise over every (channel, state) pair.
-Read this file top to bottom:
+In a selective state space model (Mamba: Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2)
+a_t = exp(Δ_t·A) is a decay in (0, 1) and b_t = Δ_t·B_t·x_t, elementwise over every (channel,
+state) pair; mamba_minimal.py builds them. The argument `h0` is the state before the first step,
+written h_{-1} in the formulas (h_0 is the state after step 0). The lesson, top to bottom:
 
-    1. The sequential loop               scan_sequential: the oracle and the baseline
-    2. The convolution view              why S4 needed no scan, and why Mamba does
-    3. The combine rule                  why a recurrence can be computed in parallel
-    4. Counting work and depth           count_combines: what each scan costs, counted by the code
-    5. The Blelloch scan                 up-sweep and down-sweep on strided views, any L
-    6. The Hillis-Steele scan            fewer levels, more work
-    7. The chunked scan                  a scan inside every chunk, a carry across chunks
-    8. The backward pass                 a gradient that is itself a reverse scan
-    9. torch's associative_scan          scan_associative, with the same lean backward
-   10. One entry point                   scan(..., backend="auto") and the rule it uses
-       Appendix: checking the inputs     what every backend accepts
+    1. The loop                  scan_sequential: the oracle and the baseline
+    2. The convolution view      why S4 needed no scan, and why Mamba does
+    3. The combine rule          two steps make one: why a recurrence can run in parallel
+    4. Work and depth            what a parallel scan costs
+    5. The Brent-Kung tree       pscan: up-sweep and down-sweep on strided views, any L
+    6. The Hillis-Steele scan    fewer levels, more work
+    7. The two-level scan        scan_two_level: a tree inside every chunk, a loop across chunks
+    8. The backward pass         a gradient that is itself a reverse scan
+    9. One entry point           scan(a, b, h0, backend="auto")
+
+The engine, in an appendix after the lesson (nothing in it is needed to follow the lesson):
+
+    A. Double backward, jvp, vmap       what create_graph=True and torch.func need
+    B. torch's associative_scan         scan_associative
+    C. How "auto" chooses               choose_backend and its measured threshold
+    D. Counting combines                count_combines, behind the work and depth figures
+    E. Checking the inputs
 
 Shapes: a and b are (batch, L, *rest) with the same shape; the scan runs over dim 1 and every
 other position is an independent recurrence. h0 is (batch, *rest). The result h is
@@ -31,29 +38,18 @@ their work and depth; test_scan.py checks each one against a float64 loop.
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-__all__ = ["scan_sequential", "scan_time_invariant", "count_combines", "pscan", "scan_hillis_steele",
-           "scan_chunked", "scan_associative", "choose_backend", "scan", "BACKENDS"]
-
-BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "chunked", "associative")
+__all__ = ["scan_sequential", "scan_time_invariant", "pscan", "scan_hillis_steele", "scan_two_level",
+           "scan_chunked", "scan", "BACKENDS", "scan_associative", "choose_backend", "count_combines"]
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. The sequential loop
+# 1. The loop
 # ------------------------------------------------------------------------------------------------
-# L dependent steps, each one elementwise multiply-add over the batch * prod(rest) values of a
-# step. On a CPU it holds its own forward, since it reads every input once (within 1.5x of pscan
-# either way from width 4096 on, README "h = scan(a, b)"). On a GPU every step is a kernel launch
-# of a few microseconds, so L = 4096 costs tens of milliseconds of launches
-# alone, whatever the width. That is why the parallel scans below exist.
-#
-# Half precision loses the state: with a_t close to 1 the state is a long running sum, and once
-# it is large, a small b_t is less than half the spacing of the representable numbers around it
-# (fp16 has 11 significant bits, bf16 8) and is rounded away. So every backend accumulates
-# fp16/bf16 inputs in fp32 and returns the input's dtype.
-#
-# We iterate with unbind, not a[:, t]: autograd's backward of `x[:, t]` allocates a zero tensor
-# of the full (batch, L, ...) shape for every step, which makes the backward quadratic in L.
+# L dependent steps, each one elementwise multiply-add over the batch·prod(rest) values of a step.
+# Exact and simple: every other backend is tested against it (test_scan.py runs it in float64).
+# Its weakness is depth: step t cannot start before step t-1 has finished.
 
 def scan_sequential(a, b, h0=None):
     """The loop. Differentiable through plain autograd (backward linear in L).
@@ -67,11 +63,16 @@ def scan_sequential(a, b, h0=None):
     dtype = _check_inputs(a, b, h0)
     h = torch.zeros_like(b[:, 0], dtype=dtype) if h0 is None else h0.to(dtype)  # (batch, *rest)
     hs = []
+    # unbind, not a[:, t]: the backward of indexing allocates a zero tensor of the full
+    # (batch, L, *rest) shape for every step, which would make the backward quadratic in L
     for a_t, b_t in zip(a.to(dtype).unbind(1), b.to(dtype).unbind(1)):
-        h = torch.addcmul(b_t, a_t, h)  # (batch, *rest)
-        _level(h)
+        h = torch.addcmul(b_t, a_t, h)  # (batch, *rest)  h_t = a_t * h_{t-1} + b_t
         hs.append(h)
     return torch.stack(hs, dim=1).to(a.dtype)  # (batch, L, *rest)
+
+# Why fp32 for half inputs: with a_t close to 1 the state is a long running sum, and once it is
+# large a small b_t is less than half the spacing of the numbers around it (fp16 keeps 11
+# significant bits, bf16 8) and is rounded away. Every backend accumulates in fp32.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -79,18 +80,17 @@ def scan_sequential(a, b, h0=None):
 # ------------------------------------------------------------------------------------------------
 # Unroll the loop: h_t = b_t + a_t·b_{t-1} + a_t·a_{t-1}·b_{t-2} + ... Every b_s reaches h_t
 # through the product of the a's in between. If a does not depend on t (a linear time-invariant
-# system, S4's case: Δ, A, B, C fixed), that product is just a^(t-s), and
+# system), that product is just a^(t-s), and
 #
 #     h_t = Σ_{k=0..t} a^k · b_{t-k}                a causal convolution with kernel K_k = a^k
 #
-# For the SSM's output y_t = C·h_t the kernel becomes C·exp(ΔA)^k·ΔB, computed once for the whole
-# sequence; an FFT then applies it in O(L log L), all positions at once. This is how S4 trains
-# without any scan.
+# S4 (Gu, Goel & Ré 2021, arXiv 2111.00396) is such a system: its discretized Ā, B̄ and C are
+# fixed, so the output y_t = C·h_t is the input convolved with the kernel C·Ā^k·B̄, computed
+# once for the whole sequence and applied with an FFT in O(L log L). S4 trains without a scan.
 #
-# Mamba's selection (Gu & Dao 2023, §3.1-3.2) makes Δ, B and C functions of the input, so
-# a_t = exp(Δ_t·A) changes with every token and the product between s and t is a different number
-# for every pair (s, t): there is no single kernel to precompute. The recurrence has to be
-# scanned, which is the rest of this file.
+# Mamba's selection (§3.1-3.2) makes Δ, B and C functions of the input, so a_t = exp(Δ_t·A)
+# changes with every token and the product between s and t is a different number for every pair
+# (s, t): there is no kernel to precompute. The recurrence has to be scanned.
 
 def scan_time_invariant(a, b, h0=None):
     """The recurrence with a constant a, as a causal convolution (FFT), for the LTI case only.
@@ -125,68 +125,46 @@ def scan_time_invariant(a, b, h0=None):
 #
 #     (a1, b1) ∘ (a2, b2) = (a2*a1, a2*b1 + b2)                               (combine rule)
 #
-# Note the order: s1∘s2 here means "s1, then s2", read left to right as time runs, which is the
-# opposite of the mathematician's f∘g ("g first"). Function composition is associative, hence so
-# is this rule: (s1∘s2)∘s3 = s1∘(s2∘s3), and both sides expand to (a3*a2*a1, a3*a2*b1 + a3*b2 + b3).
-#
-# Associativity is all a parallel scan needs. The prefix s_0∘s_1∘...∘s_t is one step
-# (a_{0:t+1}, b_{0:t+1}) that maps h0 to h_t, so h_t = a_{0:t+1}*h0 + b_{0:t+1}: its b-part alone
-# is h_t only when h0 = 0. A nonzero h0 is one more step (0, h0) in front of s_0 (it maps anything to h0); the scans
-# below fold it into the first step instead, b_0 <- a_0*h0 + b_0, and then scan from zero. And we
-# may bracket the product however we like, for instance as a balanced tree whose levels run in
-# parallel (sections 5 to 7).
+# Note the order: s1∘s2 means "s1, then s2", read left to right as time runs, the opposite
+# of the mathematician's f∘g ("g first").
+
+def _combine(first, then):
+    """The combine rule on pairs of tensors: the step `first`, then the step `then`."""
+    (a1, b1), (a2, b2) = first, then
+    return a2 * a1, torch.addcmul(b2, a2, b1)  # (a2*a1, a2*b1 + b2)
+
+# Function composition is associative, hence so is this rule: (s1∘s2)∘s3 = s1∘(s2∘s3), and both
+# sides expand to (a3*a2*a1, a3*a2*b1 + a3*b2 + b3). Associativity is all a parallel scan needs.
+# Write i:j for the steps i, i+1, ..., j-1 combined into one (a half-open range, as a Python
+# slice). The prefix 0:t+1 is one step that maps h_{-1} to h_t, and its product may be bracketed
+# however we like, for instance as a balanced tree whose levels run in parallel (sections 5 to 7).
+# Its b-part alone is h_t when h_{-1} = 0, so the scans fold a nonzero h0 into the first step,
+# b_0 <- a_0*h0 + b_0, and then scan from zero. The trees apply the rule in place, with addcmul_
+# on strided views; torch's associative_scan (appendix B) takes _combine as it is.
 #
 # Floating point is not exactly associative, so every bracketing rounds differently: the scans
-# agree with the loop to rounding, not bit for bit, and a model trained with one and sampled with
-# another sees these tiny differences.
+# agree with the loop to rounding, not bit for bit.
 
 
 # ------------------------------------------------------------------------------------------------
-# 4. Counting work and depth
+# 4. Work and depth
 # ------------------------------------------------------------------------------------------------
 # Two numbers describe a parallel algorithm: its work (how many combines in all) and its depth
-# (how many of them must happen one after another; every level of a tree is one vectorized op,
-# and on a GPU one or two kernel launches). Every scan below reports each dependent level it runs
-# to an optional counter, so the figures in bench.py and the README are counted by the code
-# itself, not by a second copy of the schedule. A combine is one update of a b-part; the products
-# of a-parts that ride along in the same level are not counted separately.
-
-_levels = None  # a list while count_combines() is active
-
-
-@contextlib.contextmanager
-def count_combines():
-    """Record every dependent level a scan runs, as the number of values it updates.
-
-    Run it on inputs of shape (1, L), one recurrence, to read the counts as combines:
-
-        with count_combines() as levels:
-            pscan(a, b)
-        work, depth = sum(levels), len(levels)
-    """
-    global _levels
-    outer, _levels = _levels, []
-    try:
-        yield _levels
-    finally:
-        _levels = outer
-
-
-def _level(updated):
-    """Called once per dependent level with the tensor it updated."""
-    if _levels is not None and updated.numel() > 0:
-        _levels.append(updated.numel())
+# (how many of them must happen one after another). Every level of a tree is one vectorized op
+# over all the combines it holds, so the depth is the number of dependent ops. The loop has work
+# L and depth L. The figures below are counted by running each scan under count_combines
+# (appendix D), which records every combine (one update of a b-part); the products of a-parts
+# that ride along in the same level are not counted.
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. The Blelloch scan
+# 5. The Brent-Kung tree
 # ------------------------------------------------------------------------------------------------
 # Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one vectorized
 # multiply-add over strided views, on half as many elements as the level before. After it, the
 # right element of every pair holds the whole block it closes. Down-sweep: walk back down; the
 # left element of every pair except the first now receives the finished prefix that ends just
-# before it. For L = 8, with x_t = (a_t, b_t) and i:j the combined steps i, i+1, ..., j-1 (a
-# half-open range, as a Python slice):
+# before it. For L = 8, with x_t = (a_t, b_t):
 #
 #   t:        0      1      2      3      4      5      6      7
 #             x0     x1     x2     x3     x4     x5     x6     x7
@@ -202,36 +180,35 @@ def _level(updated):
 #                          0:3           0:5           0:7
 #
 # Every element t ends holding 0:t+1, its inclusive prefix. The levels run one after another:
-# log2(L) up and log2(L) - 1 down, about 2·log2(L) dependent levels in all, not log2(L). The work
-# is about 2L combines (exactly 2L - 2 - log2(L) for a power of two): more than the loop's L, which
-# is the price of the short depth.
+# log2(L) up and log2(L) - 1 down, about 2·log2(L) levels in all, not log2(L). The work is
+# about 2L combines (exactly 2L - 2 - log2(L) for a power of two): more than the loop's L, the
+# price of the short depth.
 #
-# This is the work-efficient *inclusive* scan in its odd/even form (the Brent-Kung scan, Brent &
-# Kung 1982, as the literature names it), not the textbook Blelloch
-# scan (Blelloch 1990), which is *exclusive*: after the same up-sweep, the textbook puts the
-# identity step (1, 0) at the root and walks down swapping, so that every element t ends with
-# 0:t, the prefix *before* it (element 0 gets the identity, which is where h0 would go). One turns
-# into the other with one combine per element, or a shift: inclusive_t = exclusive_t ∘ x_t, and
-# exclusive_t = inclusive_{t-1}. Our down-sweep skips the identity and the swaps: it only
-# finishes the left elements, since the right ones are already finished by the recursion.
+# This is the work-efficient *inclusive* scan of Brent & Kung (1982). The textbook Blelloch
+# scan (Blelloch 1990), the "up-sweep/down-sweep" scan, has the same up-sweep but is *exclusive*:
+# it puts the identity step (1, 0) at the root and walks down swapping, so that element t ends
+# with 0:t, the prefix *before* it. One turns into the other with a shift or one combine per
+# element: inclusive_t = exclusive_t ∘ x_t. The inclusive down-sweep needs neither identity nor
+# swaps: it only finishes the left elements, since the recursion has finished the right ones.
 #
-# Each level recurses on the right elements of its pairs (a view with twice the stride), so
-# the tree never needs L to be a power of two: with an odd count, the last element sits out
-# the up-sweep of that level and is finished by the down-sweep like any other left element.
-# (Padding to a power of two would double the work at L = 2^k + 1.)
+# Each level recurses on the right elements of its pairs (a view with twice the stride), so L
+# need not be a power of two: with an odd count, the last element sits out the up-sweep of that
+# level and is finished by the down-sweep like any other left element. (Padding to a power of
+# two would double the work at L = 2^k + 1.)
 #
-# Memory: b is copied once into the output h, which is then scanned in place. The a-part of
-# the combined steps needs a new tensor per level, but each level is half the one below, so
-# all of them together are one more tensor of the input's size. The input a is only read.
+# Memory: b is copied once into the output h, which is then scanned in place. The a-part of the
+# combined steps needs a new tensor per level, but each level is half the one below, so all of
+# them together are one more tensor of the input's size. The input a is only read.
 #
-# The same tree runs backwards in time for the backward pass (section 8). Written for both
-# directions, the multipliers `w` are a[:, 1:] in both cases: w holds the multiplier of every
-# element except the first one in scan order.
-#   forward:  h_t = a_t * h_{t-1} + b_t,   element t takes w[t-1] = a_t   (element 0 takes none)
+# The same tree runs backwards in time for the backward pass (section 8). For both directions,
+# the multipliers `w` are a[:, 1:]: w holds the multiplier of every element except the first
+# one in scan order.
+#   forward:  h_t = a_t * h_{t-1} + b_t,     element t takes w[t-1] = a_t   (element 0 takes none)
 #   reverse:  g_t = a_{t+1} * g_{t+1} + c_t, element t takes w[t] = a_{t+1} (element L-1 takes none)
 
-def _blelloch_(x, w, reverse=False):
-    """Scan x in place along dim 1 and return it. x: (batch, n, *rest) (any strides); w: (batch, n-1, *rest)."""
+def _brent_kung_(x, w, reverse=False):
+    """Scan x in place along dim 1 and return it.
+    x: (batch, n, *rest), any strides; w: (batch, n-1, *rest)."""
     n = x.shape[1]
     if n < 2:
         return x
@@ -242,13 +219,10 @@ def _blelloch_(x, w, reverse=False):
         w_recv = w[:, 0 : 2 * p : 2]  # (batch, p, *rest)   multipliers of elements 1, 3, 5, ...
         w_give = w[:, 1 : 2 * p - 1 : 2]  # (batch, p-1, *rest) of elements 2, 4, ... (0 has none)
         recv.addcmul_(w_recv, give)  # up-sweep: right = w_right * left + right
-        _level(recv)
         w_up = w_recv[:, 1:] * w_give  # (batch, p-1, *rest) a-part of pairs 1.. (pair 0 leads)
-        _blelloch_(recv, w_up, reverse)  # the pairs' right elements now hold full prefixes
+        _brent_kung_(recv, w_up, reverse)  # the pairs' right elements now hold full prefixes
         # down-sweep: elements 2, 4, ... take the finished prefix of the element before them
-        down = x[:, 2:n:2]
-        down.addcmul_(w[:, 1 : n - 1 : 2], x[:, 1 : n - 1 : 2])
-        _level(down)
+        x[:, 2:n:2].addcmul_(w[:, 1 : n - 1 : 2], x[:, 1 : n - 1 : 2])
     else:
         # the mirror image: pairs are aligned at the end, the left element receives, and an
         # odd element 0 sits out
@@ -257,12 +231,9 @@ def _blelloch_(x, w, reverse=False):
         w_recv = w[:, off : n - 1 : 2]  # (batch, p, *rest)
         w_give = w[:, off + 1 : n - 1 : 2]  # (batch, p-1, *rest) (element n-1 has none)
         recv.addcmul_(w_recv, give)
-        _level(recv)
         w_up = w_recv[:, :-1] * w_give  # (batch, p-1, *rest) (the last pair leads)
-        _blelloch_(recv, w_up, reverse)
-        down = x[:, 1 - off : n - 1 : 2]
-        down.addcmul_(w[:, 1 - off : n - 1 : 2], x[:, 2 - off : n : 2])
-        _level(down)
+        _brent_kung_(recv, w_up, reverse)
+        x[:, 1 - off : n - 1 : 2].addcmul_(w[:, 1 - off : n - 1 : 2], x[:, 2 - off : n : 2])
     return x
 
 
@@ -280,19 +251,19 @@ def _blelloch_(x, w, reverse=False):
 #
 # (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6).
 #
-# The trade-off, as seed 000 §2.3 puts it, with the counts of this file at L = 1024 (section 4,
-# `python bench.py depth`):
+# The trade-off, with the counts at L = 1024 (`python bench.py depth`):
 #
-#   scan            work           depth        counted at L = 1024
-#   Hillis-Steele   O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
-#   Blelloch        O(L)           O(log L)     2036 combines in 19 levels: up, then down
-#   loop            L              L            1024 combines in 1024 levels
+#   scan                work           depth        counted at L = 1024
+#   Hillis-Steele       O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
+#   Brent-Kung (pscan)  O(L)           O(log L)     2036 combines in 19 levels: up, then down
+#   loop                L              L            1024 combines in 1024 levels
 #
-# Hillis-Steele does about log2(L)/2 times Blelloch's work in half its levels. With thousands of
-# idle lanes (a GPU, a short sequence) the extra work is free and each level saved is a launch or
-# a barrier saved; once the work fills the machine (long sequences, wide states, any CPU) the extra
-# work is paid in full, and Blelloch wins. A Hillis-Steele level cannot update x in place: element
-# t must read its partner's value from before the level, so every level writes a new tensor.
+# Hillis-Steele does about log2(L)/2 times the tree's work in half its levels. Where thousands
+# of lanes would otherwise idle (one expects this of a GPU on a short sequence) the extra work
+# is free and each level saved is a launch or a barrier saved; once the work fills the machine
+# (long sequences, wide states, any CPU) it is paid in full, and Brent-Kung wins. A
+# Hillis-Steele level cannot update x in place: element t must read its partner's value from
+# before the level, so every level writes a new tensor.
 
 def _hillis_steele(x, w, reverse=False):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -303,7 +274,6 @@ def _hillis_steele(x, w, reverse=False):
     while d < n:
         done = x[:, :d]  # (batch, d, *rest) these prefixes are complete
         x = torch.cat([done, torch.addcmul(x[:, d:], m, x[:, : n - d])], dim=1)  # (batch, n, *rest)
-        _level(x[:, d:])
         if 2 * d < n:  # the a-parts for the next level, only where someone still needs one
             m = m[:, d:] * m[:, : n - 2 * d]  # (batch, n - 2d, *rest)
         d *= 2
@@ -311,51 +281,50 @@ def _hillis_steele(x, w, reverse=False):
 
 
 # ------------------------------------------------------------------------------------------------
-# 7. The chunked scan
+# 7. The two-level scan
 # ------------------------------------------------------------------------------------------------
-# The classic two-level scan of GPU programming (the seed's §2.4 and §4.2 chunk the sequence the
-# same way), and the shape of Mamba-2's chunked SSD (mamba2_minimal.py): cut the sequence into
-# chunks of T steps, small enough that a chunk's states fit in fast on-chip memory.
+# The classic two-level scan of GPU programming, and the shape of Mamba-2's chunked SSD
+# (mamba2_minimal.py section 3): cut the sequence into chunks of T steps, small enough that a
+# chunk's states fit in fast on-chip memory.
 #
-#   1. Inside every chunk, a parallel scan from a zero state: all chunks at once, as one batch.
-#   2. Each chunk is now one step (P_c, E_c): P_c the product of its a's, E_c its end state.
-#      Carry the state across chunks with the loop, H_c = P_c * H_{c-1} + E_c: only L/T - 1 steps.
+#   1. Inside every chunk, a tree from a zero state: all chunks at once, as one batch.
+#   2. Each chunk is now one step (P_k, E_k): P_k the product of its a's, E_k its end state.
+#      Carry the state across chunks with the loop, H_k = P_k * H_{k-1} + E_k: L/T - 1 steps.
 #   3. Correct every chunk by the state carried in: h_t += (a-product from the chunk's start
-#      up to t) * H_{c-1}.
+#      up to t) * H_{k-1}.
 #
 #   chunks:     [ 0 .. T-1 ][ T .. 2T-1 ][ 2T .. 3T-1 ]
 #   1. scan:     └──────┤     └──────┤     └──────┤        from zero, all chunks at once
 #   2. carry:          H_0 ────────> H_1 ────────> H_2     L/T dependent steps
 #   3. correct:               += cumprod·H_0  += cumprod·H_1
 #
-# Depth is that of one chunk's scan, plus L/T - 1 carry steps, plus one correction. The official
-# Mamba-1 kernel is the sequential variant of this scheme: one thread block walks the chunks in
-# order and seeds each chunk's parallel scan with the carried state, so steps 1 and 3 merge, and
-# the L/T carry steps are a loop inside one kernel, which is why a long sequence costs it little.
+# Depth: one chunk's tree (about 2·log2(T)), L/T - 1 carry steps, one correction. At best (T
+# about a third of L) that is about the depth of one tree over the whole sequence (19 levels at
+# L = 1024 with T = 256 or 512), and the work grows with the number of chunks: chunking buys
+# locality, not depth. The counts leave out step 3's cumprod, itself a scan of T steps inside
+# every chunk, so for this scan they are lower bounds.
 #
-# Why T is bounded. Step 3 needs the cumulative product of a inside a chunk. With
-# a_t = exp(Δ_t·A), that product is exp(-Σ Δ_t·|A|), which shrinks geometrically with T. In fp32
-# it leaves the normal range below about 1e-38, i.e. once Σ Δ·|A| > 87, and is 0 past 103. Here
-# that is harmless: the product only multiplies the carried state, and a contribution below 1e-38
-# of it is rounded away anyway (nothing here divides by it). It is fatal in the formulations that
-# divide by it, such as h_t = P_t · Σ_{s<=t} b_s / P_s (one cumsum instead of a scan): 1/P_s
-# overflows to inf and inf·0 gives NaN. fp16 reaches that much sooner: its smallest normal is
-# 6e-5, so the product leaves the normal range once Σ Δ·|A| > 9.7 (about ten steps of Δ·|A| = 1)
-# and 1/P passes fp16's largest number, 65504, soon after (Σ Δ·|A| > 11). bf16 has fp32's range but
-# 8 significant bits: a_t = 0.999 rounds to 1.0, so a long product of rounded factors drifts by
-# about T·2^-9. Hence small chunks, products kept in fp32 (this file accumulates half inputs in
-# fp32; but a_t must be computed in fp32 too, as mamba_minimal.py does: a 0.999 already rounded
-# to 1.0 in bf16 stays 1.0 however it is accumulated), and Mamba-2's ssd_minimal works with sums of logs (`segsum`) and exponentiates only
-# differences, which never divides.
+# The official Mamba-1 kernel (selective_scan_fwd_kernel.cuh) is the sequential variant: one
+# thread block walks the chunks in order and starts each chunk's parallel scan from the carried
+# state, so steps 1 and 3 merge and the carry is a loop inside one kernel. Its chunk is
+# kNThreads·kNItems = 128 to 2048 steps, chosen by sequence length; Mamba-2's default chunk_size
+# is 256.
+#
+# Why T is bounded. Step 3 multiplies by the product of a inside a chunk, exp(-Σ Δ_t·|A|), which
+# shrinks geometrically with T: in fp32 it leaves the normal range once Σ Δ·|A| > 87 and is 0
+# past 103. That is harmless in this scan, since it only scales the carried state, whose
+# contribution is then far below fp32's resolution anyway. It is fatal where a formulation
+# divides by it, as in h_t = p_t · Σ_{s<=t} b_s / p_s with p_t = a_0·...·a_t (a cumsum instead
+# of a scan): 1/p_s overflows to inf, and inf·0 is NaN; fp16 gets there once Σ Δ·|A| > 11.
+# Mamba-2's ssd_minimal stays in log space instead: it adds up logs (`segsum`) and exponentiates
+# the sums, so it never divides by an underflowed product (mamba2_minimal.py section 2 forms
+# those sums without cancellation). chunk_size = 64 by default keeps the product in fp32's normal
+# range for Δ·|A| up to about 1.3 per step (87 / 64).
 
-# chunk_size = 64 by default: a chunk of a typical GPU kernel's size, whose a-products stay in fp32's
-# normal range for Δ·|A| up to about 1.3 per step. The depth, about 2·log2(T) + L/T, is smallest
-# for chunks of a third of L; the work grows with the number of chunks (test_scan.py counts both).
-
-def _chunked(x, w, reverse=False, chunk_size=64):
+def _two_level(x, w, reverse=False, chunk_size=64):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
     if reverse:
-        return _chunked(x.flip(1), w.flip(1), False, chunk_size).flip(1)
+        return _two_level(x.flip(1), w.flip(1), False, chunk_size).flip(1)
     batch, n, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
     T = min(chunk_size, n)  # a short sequence is one chunk of its own length
     K = -(-n // T)  # number of chunks
@@ -364,17 +333,15 @@ def _chunked(x, w, reverse=False, chunk_size=64):
     m = torch.cat([x.new_zeros(one), w, x.new_ones((batch, pad) + rest)], dim=1)  # (batch, K·T, *rest)
     x = torch.cat([x, x.new_zeros((batch, pad) + rest)], dim=1) if pad else x.contiguous()
     xs, ms = x.view((batch * K, T) + rest), m.view((batch * K, T) + rest)  # every chunk a row
-    _blelloch_(xs, ms[:, 1:])  # 1. (batch*K, T, *rest) every chunk scanned from zero
+    _brent_kung_(xs, ms[:, 1:])  # 1. (batch*K, T, *rest) every chunk scanned from zero
     prod = torch.cumprod(ms, dim=1).view((batch, K, T) + rest)  # a-products from each chunk's start
     xs = xs.view((batch, K, T) + rest)
     carried = [xs[:, 0, -1]]  # 2. (batch, *rest) the state leaving chunk 0
     for k in range(1, K):
         carried.append(torch.addcmul(xs[:, k, -1], prod[:, k, -1], carried[-1]))
-        _level(carried[-1])
     if K > 1:  # 3. chunks 1.. take the state carried in from the chunk before
         into = torch.stack(carried[:-1], dim=1).unsqueeze(2)  # (batch, K-1, 1, *rest)
         xs[:, 1:].addcmul_(prod[:, 1:], into)
-        _level(xs[:, 1:])
     return x[:, :n]
 
 
@@ -393,25 +360,9 @@ def _chunked(x, w, reverse=False, chunk_size=64):
 # So the backward needs only a and h (no per-level intermediates) and runs the same scan
 # backwards. Peak memory during it: h, the incoming gradient, g and the scan's scratch, which is
 # freed before dLoss/da is written.
-#
-# A second derivative (a Hessian, or a gradient penalty) differentiates this backward. The
-# formulas above are built from a, h and grad only, so we simply run them through differentiable
-# ops when autograd records (create_graph=True): the reverse scan as a forward scan of the
-# time-reversed sequence through this same autograd Function, and h as the Function's saved
-# output, whose own gradient comes back here. The recorded path is used only then; a plain
-# backward keeps the lean in-place one.
-#
-# Forward-mode (torch.func.jvp) is a scan too: tangents (ȧ, ḃ, ḣ0) of the inputs move the states by
-#     ḣ_t = a_t * ḣ_{t-1} + (ȧ_t * h_{t-1} + ḃ_t),    ḣ_{-1} = ḣ0,
-# the same recurrence with the forcing term ȧ_t * h_{t-1} + ḃ_t.
 
-def _previous_states(h, h0):
-    """(batch, L, *rest): h_{t-1} for every t, with h0 (or zeros) before the first step."""
-    first = torch.zeros_like(h[:, :1]) if h0 is None else h0.to(h.dtype).unsqueeze(1)
-    return torch.cat([first, h[:, :-1]], dim=1)
-
-
-def _backward_lean(fn, ctx, a, h, h0, grad_h):
+def _backward(fn, ctx, a, h, h0, grad_h):
+    """The three formulas above, with fn's scan run in reverse. -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
     g = grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
     g = fn._scan(g, a[:, 1:].to(dtype), True, *ctx.extra)  # g_t = grad_t + a_{t+1} * g_{t+1}
@@ -430,6 +381,120 @@ def _backward_lean(fn, ctx, a, h, h0, grad_h):
     return grad_a, grad_b, grad_h0
 
 
+class _ScanFunction(torch.autograd.Function):
+    """Base: a subclass sets `_scan(x, w, reverse, *extra)`; forward and backward are shared.
+
+    It returns h in the accumulation dtype and saves (a, h, h0); the public functions cast h to
+    the input dtype outside, so that h stays an output that autograd can differentiate again.
+    """
+
+    @classmethod
+    def forward(cls, a, b, h0, dtype, *extra):
+        h = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
+        if h0 is not None:
+            h[:, 0].addcmul_(a[:, 0].to(dtype), h0.to(dtype))  # fold h0 into the first step
+        return cls._scan(h, a[:, 1:].to(dtype), False, *extra)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, _, h0, _, *extra = inputs
+        ctx.extra = tuple(extra)
+        ctx.save_for_backward(a, output, h0)
+        ctx.save_for_forward(a, output, h0)  # for the jvp of appendix A
+
+    @classmethod
+    def backward(cls, ctx, grad_h):
+        a, h, h0 = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative follows (appendix A)
+            grads = _backward_recorded(cls, ctx, a, h, h0, grad_h)
+        else:
+            grads = _backward(cls, ctx, a, h, h0, grad_h)
+        return (*grads, None) + (None,) * len(ctx.extra)
+
+
+class _BrentKung(_ScanFunction):
+    _scan = staticmethod(_brent_kung_)
+
+
+class _HillisSteele(_ScanFunction):
+    _scan = staticmethod(_hillis_steele)
+
+
+class _TwoLevel(_ScanFunction):
+    _scan = staticmethod(_two_level)
+
+
+def pscan(a, b, h0=None):
+    """The Brent-Kung tree (section 5) with the reverse-scan backward. Same contract as scan_sequential."""
+    dtype = _check_inputs(a, b, h0)
+    return _BrentKung.apply(a, b, h0, dtype).to(a.dtype)
+
+
+def scan_hillis_steele(a, b, h0=None):
+    """Hillis-Steele scan (log2(L) levels, ~L·log2(L) combines). Same contract as scan_sequential."""
+    dtype = _check_inputs(a, b, h0)
+    return _HillisSteele.apply(a, b, h0, dtype).to(a.dtype)
+
+
+def scan_two_level(a, b, h0=None, chunk_size=64):
+    """The tree inside chunks of `chunk_size` steps, a loop across them (section 7).
+    Same contract as scan_sequential."""
+    dtype = _check_inputs(a, b, h0)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return _TwoLevel.apply(a, b, h0, dtype, chunk_size).to(a.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. One entry point
+# ------------------------------------------------------------------------------------------------
+# scan() runs the recurrence with the backend named. "auto" runs pscan, except for forward-only
+# passes over wide steps on one CPU thread, where the loop is faster (appendix C). Hillis-Steele
+# and the two-level scan are in this file to teach and to count: on a CPU both are slower than
+# pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B). "chunked" and
+# scan_chunked are the two-level scan's former names and keep working.
+
+BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative", "chunked")
+scan_chunked = scan_two_level
+
+
+def scan(a, b, h0=None, backend="auto"):
+    """Run the recurrence with the chosen backend; "auto" picks by device, width, threads and autograd."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = choose_backend(a, b, h0)
+    functions = {"sequential": scan_sequential, "pscan": pscan, "hillis_steele": scan_hillis_steele,
+                 "two_level": scan_two_level, "chunked": scan_two_level, "associative": scan_associative}
+    return functions[backend](a, b, h0)
+
+
+# ================================================================================================
+# Appendix: the engine. The lesson ends above; what follows makes the same scans work with
+# torch.func and second derivatives, wraps torch's own scan, picks a backend, counts combines
+# and checks inputs.
+# ================================================================================================
+
+# ------------------------------------------------------------------------------------------------
+# A. Double backward, jvp, vmap
+# ------------------------------------------------------------------------------------------------
+# A second derivative (a Hessian, a gradient penalty) differentiates the backward itself. Section
+# 8's formulas are built from a, h and grad only, so when autograd records (create_graph=True)
+# the backward runs them through differentiable ops: the reverse scan as a forward scan of the
+# time-reversed sequence through this same autograd Function, and h as the Function's saved
+# output, whose own gradient comes back to it. A plain backward keeps the lean in-place one.
+#
+# Forward mode (torch.func.jvp) is a scan too: tangents (ȧ, ḃ, ḣ0) of the inputs move the states by
+#     ḣ_t = a_t * ḣ_{t-1} + (ȧ_t * h_{t-1} + ḃ_t),    ḣ_{-1} = ḣ0,
+# the same recurrence with the forcing term ȧ_t * h_{t-1} + ḃ_t. torch.func.vmap needs no rule
+# of its own: generate_vmap_rule lets torch run forward and backward on batched tensors.
+
+def _previous_states(h, h0):
+    """(batch, L, *rest): h_{t-1} for every t, with h0 (or zeros) before the first step."""
+    first = torch.zeros_like(h[:, :1]) if h0 is None else h0.to(h.dtype).unsqueeze(1)
+    return torch.cat([first, h[:, :-1]], dim=1)
+
+
 def _backward_recorded(fn, ctx, a, h, h0, grad_h):
     dtype = h.dtype
     a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1).to(dtype)  # a_{t+1}, 0 at the end
@@ -440,101 +505,33 @@ def _backward_recorded(fn, ctx, a, h, h0, grad_h):
     return grad_a, g.to(a.dtype), grad_h0
 
 
-class _ScanFunction(torch.autograd.Function):
-    """Base: a subclass sets `_scan(x, w, reverse, *extra)`; forward, backward and jvp are shared.
-
-    It returns h in the accumulation dtype and saves (a, h, h0); the public functions cast h to
-    the input dtype outside, so that h stays an output that autograd can differentiate again.
-    """
-
-    generate_vmap_rule = True  # torch.func.vmap runs forward/backward on batched tensors
-
-    @classmethod
-    def forward(cls, a, b, h0, dtype, *extra):
-        h = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
-        if h0 is not None:
-            h[:, 0].addcmul_(a[:, 0].to(dtype), h0.to(dtype))  # fold h0 into the first step
-            _level(h[:, 0])
-        return cls._scan(h, a[:, 1:].to(dtype), False, *extra)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        a, _, h0, _, *extra = inputs
-        ctx.extra = tuple(extra)
-        ctx.save_for_backward(a, output, h0)
-        ctx.save_for_forward(a, output, h0)
-
-    @classmethod
-    def backward(cls, ctx, grad_h):
-        a, h, h0 = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative will follow
-            grads = _backward_recorded(cls, ctx, a, h, h0, grad_h)
-        else:
-            grads = _backward_lean(cls, ctx, a, h, h0, grad_h)
-        return (*grads, None) + (None,) * len(ctx.extra)
-
-    @classmethod
-    def jvp(cls, ctx, tan_a, tan_b, tan_h0, *_):
-        a, h, h0 = ctx.saved_tensors
-        dtype = h.dtype
-        forcing = torch.zeros_like(h) if tan_b is None else tan_b.to(dtype)  # (batch, L, *rest)
-        if tan_a is not None:
-            forcing = forcing + tan_a.to(dtype) * _previous_states(h, h0)
-        return cls.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, *ctx.extra)
+def _jvp(cls, ctx, tan_a, tan_b, tan_h0, *_):
+    a, h, h0 = ctx.saved_tensors
+    dtype = h.dtype
+    forcing = torch.zeros_like(h) if tan_b is None else tan_b.to(dtype)  # (batch, L, *rest)
+    if tan_a is not None:
+        forcing = forcing + tan_a.to(dtype) * _previous_states(h, h0)
+    return cls.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, *ctx.extra)
 
 
-class _PScan(_ScanFunction):
-    _scan = staticmethod(_blelloch_)
-
-
-class _HillisSteele(_ScanFunction):
-    _scan = staticmethod(_hillis_steele)
-
-
-class _Chunked(_ScanFunction):
-    _scan = staticmethod(_chunked)
-
-
-def pscan(a, b, h0=None):
-    """Blelloch scan with a reverse-scan backward. Same arguments and result as scan_sequential."""
-    dtype = _check_inputs(a, b, h0)
-    return _PScan.apply(a, b, h0, dtype).to(a.dtype)
-
-
-def scan_hillis_steele(a, b, h0=None):
-    """Hillis-Steele scan (log2(L) levels, ~L·log2(L) combines). Same contract as scan_sequential."""
-    dtype = _check_inputs(a, b, h0)
-    return _HillisSteele.apply(a, b, h0, dtype).to(a.dtype)
-
-
-def scan_chunked(a, b, h0=None, chunk_size=64):
-    """Blelloch inside chunks of `chunk_size` steps, a loop across them. Same contract as scan_sequential."""
-    dtype = _check_inputs(a, b, h0)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return _Chunked.apply(a, b, h0, dtype, chunk_size).to(a.dtype)
+_ScanFunction.jvp = classmethod(_jvp)
+_ScanFunction.generate_vmap_rule = True
 
 
 # ------------------------------------------------------------------------------------------------
-# 9. torch's associative_scan
+# B. torch's associative_scan
 # ------------------------------------------------------------------------------------------------
 # torch ships a generic parallel scan, torch._higher_order_ops.associative_scan (a prototype,
 # private API), which takes the combine rule as a Python function. Its combine_mode argument
-# (pytorch/pytorch#133012, first released in torch 2.5.0: the 2.5.0 wheel's associative_scan has
-# it, the 2.4.0 one's does not) selects "pointwise", which compiles the scan into one Triton
-# kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. This project asks
-# for torch >= 2.6 (requirements.txt) and is tested on 2.13. We run it without
-# autograd (its own backward saves far more than a and h) and reuse the reverse-scan backward of
-# section 8, with the Blelloch tree running the reverse scan.
-
-def _combine(left, right):
-    (a1, b1), (a2, b2) = left, right
-    return a2 * a1, torch.addcmul(b2, a2, b1)  # (a2*a1, a2*b1 + b2)
-
+# (pytorch/pytorch#133012, first released in torch 2.5.0) selects "pointwise", which compiles
+# the scan into one Triton kernel and needs a CUDA or XPU device, or "generic", which runs
+# anywhere. This project asks for torch >= 2.6 (requirements.txt) and is tested on 2.13. The
+# scan runs without autograd, and section 8's backward, which needs only a and h, serves it,
+# with the Brent-Kung tree running the reverse scan.
 
 def _associative(x, w, reverse=False):
     if reverse:
-        return _blelloch_(x, w, True)
+        return _brent_kung_(x, w, True)
     try:
         from torch._higher_order_ops import associative_scan
     except ImportError as err:
@@ -551,7 +548,8 @@ def _associative(x, w, reverse=False):
             _, h = associative_scan(_combine, (m, x), dim=1, combine_mode=mode)
         except TypeError as err:  # a torch from before combine_mode
             raise RuntimeError(f"backend 'associative' needs associative_scan's combine_mode argument "
-                               f"(torch >= 2.6, see requirements.txt); this is torch {torch.__version__}") from err
+                               f"(torch >= 2.6, see requirements.txt); this is torch {torch.__version__}"
+                               ) from err
     return h.contiguous()
 
 
@@ -560,30 +558,25 @@ class _AssociativeScan(_ScanFunction):
 
 
 def scan_associative(a, b, h0=None):
-    """torch's associative_scan with a reverse-scan backward. Same contract as scan_sequential."""
+    """torch's associative_scan with the reverse-scan backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
     return _AssociativeScan.apply(a, b, h0, dtype).to(a.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
-# 10. One entry point
+# C. How "auto" chooses
 # ------------------------------------------------------------------------------------------------
-# Which backend is fastest depends on the device, the width of one step (batch * prod(rest)) and
-# on whether a backward pass follows. On a GPU the loop pays a kernel launch per step, so the
-# tree wins. On a CPU with a backward pass the tree wins too, 1.7x to 12x in the README's table
-# ("h = scan(a, b)"), because the loop's autograd graph records L small steps. Forward only, the
-# loop reads each input once and catches up as a step gets wider, on one thread only.
-# `python bench.py crossover` (L = 1024, forward only, the README's machine, quiet) found, with
+# Which backend is fastest depends on the device, the width of one step (batch·prod(rest)) and
+# whether a backward pass follows. With a backward pass the tree wins on a CPU (1.7x to 12x in
+# `python bench.py scan` on a 2-core Intel Xeon with AVX-512), because the loop's autograd graph
+# records L small steps. Forward only, the loop reads each input once and catches up as a step
+# gets wider, on one thread only: `python bench.py crossover` (L = 1024) on that CPU found, with
 # one thread, the two level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x at 16384,
-# 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every width
-# (its time over the loop's 0.27 at width 1024 to 0.85 at 16384), so the loop is chosen only
-# where torch runs one thread. Hillis-Steele and the chunked scan are here to teach and to
-# count; on a CPU they are slower than pscan (README, "h = scan(a, b)").
+# 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every width, so
+# the loop is chosen only where torch runs one thread. On a GPU the loop would pay a kernel
+# launch for every step, so the tree is expected to win there (not measured by this project).
 
 CPU_LOOP_MIN_WIDTH = 8192
-
-_FUNCTIONS = {"sequential": scan_sequential, "pscan": pscan, "hillis_steele": scan_hillis_steele,
-              "chunked": scan_chunked, "associative": scan_associative}
 
 
 def choose_backend(a, b, h0=None):
@@ -596,19 +589,46 @@ def choose_backend(a, b, h0=None):
     return "sequential" if a.device.type == "cpu" and wide and one_thread and not needs_grad else "pscan"
 
 
-def scan(a, b, h0=None, backend="auto"):
-    """Run the recurrence with the chosen backend; "auto" picks by device, width, threads and autograd."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = choose_backend(a, b, h0)
-    return _FUNCTIONS[backend](a, b, h0)
+# ------------------------------------------------------------------------------------------------
+# D. Counting combines
+# ------------------------------------------------------------------------------------------------
+# Every combine in the scans above is one addcmul (b <- a*b_before + b), and every dependent level
+# is one call, so a torch function mode that notes the size of each addcmul's result counts work
+# and depth without a line of bookkeeping inside the scans: the figures of sections 6 and 7 and of
+# `python bench.py depth` are the scans' own. torch's associative_scan follows its own schedule,
+# so its counts say little.
+
+class _CountAddcmul(TorchFunctionMode):
+    def __init__(self, levels):
+        super().__init__()
+        self.levels = levels
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", None) in ("addcmul", "addcmul_") and out.numel() > 0:
+            self.levels.append(out.numel())
+        return out
+
+
+@contextlib.contextmanager
+def count_combines():
+    """Record every dependent level a scan runs, as the number of values it updates.
+
+    Run it on inputs of shape (1, L), one recurrence, to read the counts as combines:
+
+        with count_combines() as levels:
+            pscan(a, b)
+        work, depth = sum(levels), len(levels)
+    """
+    levels = []
+    with _CountAddcmul(levels):
+        yield levels
 
 
 # ------------------------------------------------------------------------------------------------
-# Appendix: checking the inputs
+# E. Checking the inputs
 # ------------------------------------------------------------------------------------------------
-# What every backend accepts, checked before anything runs; kept here, out of the story's way.
+# What every backend accepts, checked before anything runs.
 
 def _shape(t):
     """A tensor's shape, or the type's name for anything else: what an error message shows."""
@@ -635,7 +655,7 @@ def _check_inputs(a, b, h0):
             raise ValueError(f"h0 must have shape (batch, *rest) = {expected}, got {_shape(h0)}")
         if h0.device != a.device:
             raise ValueError(f"h0 must be on {a.device}, got {h0.device}")
-    # half precision is accumulated in fp32: see section 1
+    # half precision is accumulated in fp32 (section 1 says why)
     return torch.float32 if a.dtype in (torch.float16, torch.bfloat16) else a.dtype
 
 

@@ -220,7 +220,7 @@ def test_differences_of_cumsums_cancel_catastrophically_in_long_low_precision_ru
     # T = 2048 log-decays in (-1, 0): the prefix sums reach about -1000, where one fp32 ulp is 6e-5
     T = 2048
     a = -torch.rand(T, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    exact = torch.exp(m2.segsum(a))  # float64, the mask L
+    exact = torch.exp(m2.segsum(a))  # float64, the mask M
     causal = torch.ones(T, T, dtype=torch.bool).tril()
 
     def error(segsum_fn, dtype):

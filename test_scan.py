@@ -9,8 +9,8 @@ BACKENDS = {
     "sequential": ps.scan_sequential,
     "pscan": ps.pscan,
     "hillis_steele": ps.scan_hillis_steele,
-    "chunked": ps.scan_chunked,  # chunks of 64: one chunk for short L, 17 at L = 1025
-    "chunked_4": lambda a, b, h0=None: ps.scan_chunked(a, b, h0, chunk_size=4),  # many chunks, padding
+    "two_level": ps.scan_two_level,  # chunks of 64: one chunk for short L, 17 at L = 1025
+    "two_level_4": lambda a, b, h0=None: ps.scan_two_level(a, b, h0, chunk_size=4),  # many chunks, padding
     "associative": ps.scan_associative,
 }
 CUSTOM_BACKWARD = [name for name in BACKENDS if name != "sequential"]
@@ -45,6 +45,22 @@ def test_loop_matches_hand_computed_values():
     # h_0 = 0.5*2 + 1 = 2; h_1 = 2*2 + 1 = 5; h_2 = 0*5 + 3 = 3
     for fn in BACKENDS.values():
         assert fn(a, b, h0).tolist() == [[2.0, 5.0, 3.0]]
+
+
+def test_combine_rule_is_two_steps_in_one_and_associative():
+    g = torch.Generator().manual_seed(1)
+    s1, s2, s3 = [tuple(torch.randn(4, generator=g, dtype=torch.float64) for _ in range(2)) for _ in range(3)]
+    h = torch.randn(4, generator=g, dtype=torch.float64)
+
+    def apply(step, h):  # the step (a, b) is h -> a*h + b
+        return step[0] * h + step[1]
+
+    a12, b12 = ps._combine(s1, s2)
+    torch.testing.assert_close(apply((a12, b12), h), apply(s2, apply(s1, h)), rtol=1e-12, atol=1e-12)
+    left = ps._combine(ps._combine(s1, s2), s3)
+    right = ps._combine(s1, ps._combine(s2, s3))
+    for x, y in zip(left, right):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -170,11 +186,17 @@ def test_unknown_backend_raises():
         ps.scan(torch.zeros(1, 2), torch.zeros(1, 2), backend="cumsum")
 
 
+def test_the_two_level_scans_former_names_still_work():
+    a, b, h0 = make_inputs(2, 100, (3,))
+    for h in (ps.scan(a, b, h0, backend="chunked"), ps.scan_chunked(a, b, h0, chunk_size=8)):
+        torch.testing.assert_close(h, reference(a, b, h0), rtol=1e-10, atol=1e-10)
+
+
 def test_unknown_or_bad_chunk_size_raises():
     a, b, _ = make_inputs(1, 8, ())
     for bad in (0, -3, 2.5, True, None):
         with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-            ps.scan_chunked(a, b, chunk_size=bad)
+            ps.scan_two_level(a, b, chunk_size=bad)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -276,13 +298,13 @@ def test_time_invariant_scan_is_a_convolution(L):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_chunked_is_exact_when_the_chunk_product_underflows(dtype):
+def test_two_level_is_exact_when_the_chunk_product_underflows(dtype):
     # a = 0.01: the product over a 64-step chunk is 1e-128, zero in every float format. It only
     # scales the carried-in state, whose true contribution is that small: no NaN, no error.
     a, b, h0 = make_inputs(2, 300, (4,))
     a = torch.full_like(a, 0.01)
     a_, b_, h0_ = (t.to(dtype).requires_grad_() for t in (a, b, h0))
-    h = ps.scan_chunked(a_, b_, h0_, chunk_size=64)
+    h = ps.scan_two_level(a_, b_, h0_, chunk_size=64)
     want = reference(a_.detach(), b_.detach(), h0_.detach())  # exact for the rounded inputs
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(h.double(), want, rtol=tol, atol=tol)
@@ -336,11 +358,11 @@ def test_auto_runs_the_backend_it_chose(one_thread):
 # Work and depth, counted by the code, against the closed forms
 # ------------------------------------------------------------------------------------------------
 
-def blelloch_work(L):  # each size n = L, L//2, L//4, ... > 1 runs n - 1 combines (n//2 up, (n-1)//2 down)
+def brent_kung_work(L):  # each size n = L, L//2, L//4, ... > 1 runs n - 1 combines (n//2 up, (n-1)//2 down)
     return sum(n - 1 for n in iter_halves(L))
 
 
-def blelloch_depth(L):  # each size runs one up level, and a down level when (n-1)//2 > 0
+def brent_kung_depth(L):  # each size runs one up level, and a down level when (n-1)//2 > 0
     return sum(1 + (n >= 3) for n in iter_halves(L))
 
 
@@ -358,13 +380,13 @@ def test_counted_work_and_depth_match_the_formulas(L):
     c = -(-L // T)
     formulas = {  # (work, depth) with h0 = None
         "sequential": (L, L),
-        "pscan": (blelloch_work(L), blelloch_depth(L)),
+        "pscan": (brent_kung_work(L), brent_kung_depth(L)),
         "hillis_steele": (sum(L - 2 ** k for k in range(log)), log),
-        "chunked": (c * blelloch_work(T) + (c - 1) + (c - 1) * T, blelloch_depth(T) + (c - 1) + (c > 1)),
+        "two_level": (c * brent_kung_work(T) + (c - 1) + (c - 1) * T, brent_kung_depth(T) + (c - 1) + (c > 1)),
     }
-    if L == 1024:  # the closed forms of the README's table
+    if L == 1024:  # the closed forms of pscan.py's sections 5 to 7
         assert formulas["pscan"] == (2 * L - 2 - 10, 2 * 10 - 1)
-        assert formulas["chunked"] == (16 * (2 * T - 2 - 6) + 15 + 15 * T, 2 * 6 - 1 + 15 + 1)
+        assert formulas["two_level"] == (16 * (2 * T - 2 - 6) + 15 + 15 * T, 2 * 6 - 1 + 15 + 1)
         assert formulas["hillis_steele"] == (L * 10 - (L - 1), 10)
     for name, (work, depth) in formulas.items():
         for start, extra in ((None, 0), (h0, 1)):
