@@ -196,14 +196,14 @@ def _initial_state(state, v, R, N, S):
 # a data-dependent trapezoid, with α, β, γ of section 1 its three coefficients.
 
 def scalar_ode_step(rule, h, a, dt, u_prev, u_now, lam=0.5):
-    """One step of h' = a·h + u by one of the three rules above; tensors or floats."""
-    a, dt = torch.as_tensor(a), torch.as_tensor(dt)
+    """One step of h' = a·h + u by one of the three rules above; tensors or Python floats."""
+    exp = torch.exp if isinstance(dt * a, torch.Tensor) else math.exp
     if rule == "euler":
         return (1 + dt * a) * h + dt * u_now
     if rule == "exponential_euler":
-        return torch.exp(dt * a) * h + dt * u_now
+        return exp(dt * a) * h + dt * u_now
     if rule == "exponential_trapezoidal":
-        alpha = torch.exp(dt * a)
+        alpha = exp(dt * a)
         return alpha * h + (1 - lam) * dt * alpha * u_prev + lam * dt * u_now
     raise ValueError(f"rule must be 'euler', 'exponential_euler' or 'exponential_trapezoidal', got {rule!r}")
 
@@ -225,7 +225,8 @@ def scalar_ode_step(rule, h, a, dt, u_prev, u_now, lam=0.5):
 # positions times fixed frequencies but a running sum of data-dependent increments Δ_s·θ_s. The
 # state stays real and no complex arithmetic runs. The angle itself is the fourth part of the
 # recurrent state; only its value mod 2π matters to cos and sin, and keeping it in [0, 2π) keeps
-# it exact in fp32 however long the sequence (a raw sum would grow like L·π and lose digits).
+# its rounding at the size of 2π's in fp32 however long the generation (a raw sum would grow like
+# L·π and lose digits: an fp32 ulp is 5e-4 at 5000).
 #
 # Which entries pair up is a convention of the official kernels: the SISO path rotates adjacent
 # entries (2j, 2j + 1), the MIMO path entries j and j + N/2 (their `rotate_pairwise` flag). Only
@@ -303,6 +304,7 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
                                         for t in (q, k, v, dt, adt, lam, theta))
 
     # the accumulated angles: a cumsum inside each chunk, plus each chunk's start kept in [0, 2π)
+    # (the starts are one cumsum over chunks, whose rounding grows with L/T rather than L)
     turn = (dt[..., None] * theta).unflatten(1, (n_chunks, T))  # (b, c, T, H, S)  Δ·θ per token
     within = turn.cumsum(2)  # (b, c, T, H, S)
     starts = within[:, :, -1].cumsum(1) - within[:, :, -1]  # (b, c, H, S)  sum over earlier chunks
