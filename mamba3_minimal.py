@@ -336,7 +336,8 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
     below = torch.ones(T, T, dtype=torch.bool, device=v.device).tril(-1)
     W = torch.where(below, torch.exp(segsum(a)) * weight[..., None, :], 0)  # (b, c, H, T, T)
     W = W + torch.diag_embed(chunks(gamma))  # γ_t on the diagonal
-    W = W.repeat_interleave(R, dim=-2).repeat_interleave(R, dim=-1)  # (b, c, H, T·R, T·R)
+    if R > 1:
+        W = W.repeat_interleave(R, dim=-2).repeat_interleave(R, dim=-1)  # (b, c, H, T·R, T·R)
     y = (W * (Q @ K.transpose(-1, -2))) @ V  # (b, c, H, T·R, P)
 
     # Steps 2-4 matter only when a state comes in, goes out, or crosses a chunk boundary
