@@ -602,6 +602,18 @@ def test_official_layout_round_trips_strictly(tmp_path):
     assert half.backbone.layers[0].mixer.out_proj.weight.dtype == torch.bfloat16
 
 
+def test_safetensors_without_the_tied_head_loads(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config()))
+    write_official_checkpoint(tmp_path, model)
+    os.remove(os.path.join(tmp_path, "pytorch_model.bin"))
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    safetensors.save_file(sd, os.path.join(tmp_path, "model.safetensors"))
+    ids = torch.randint(0, 29, (2, 9))
+    assert torch.equal(Mamba3LM.from_pretrained(str(tmp_path))(ids), model(ids))
+
+
 class RunsCode:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
