@@ -70,7 +70,7 @@ PAIRINGS = ("adjacent", "halves")
 # ------------------------------------------------------------------------------------------------
 # 1. The recurrence
 # ------------------------------------------------------------------------------------------------
-# One head, one token (paper section 3, the official tests' mamba3_siso_step_ref and
+# One head, one token (the paper's recurrence; the official tests' mamba3_siso_step_ref and
 # mamba3_MIMO_step_ref):
 #
 #     angle_t = angle_{t-1} + Δ_t·θ_t  (mod 2π)            one angle per rotated pair of q and k
@@ -85,7 +85,7 @@ PAIRINGS = ("adjacent", "halves")
 # MIMO of rank R: each head has R keys and queries per token, and R values v_{t,r} = v_t ∘ mimo_x[r]
 # (a learned scale per channel and rank). The update sums R outer products, Σ_r v_{t,r}·k̃_{t,r}ᵀ:
 # a (P, R) x (R, N) matmul instead of a (P, 1) x (1, N) outer product, R times the arithmetic on
-# the same state (decode reads and writes h once per token whatever R is: paper section 3.3). Each
+# the same state (decode reads and writes h once per token whatever R is). Each
 # rank reads its own output y_{t,r} = h_t·q̃_{t,r} + D·v_{t,r}; the mixer (section 4) gates and
 # mixes the R outputs back into one with mimo_o. R = 1 with mimo_x = 1 is SISO.
 
@@ -192,7 +192,7 @@ def _initial_state(state, v, R, N, S):
 #
 # The errors are global (at a fixed end time, after 1/Δ steps); each halving of Δ halves the error
 # of the first two rules and quarters that of the third (test_mamba3.py checks it on an ODE with a
-# known solution). Mamba-3 learns λ_t = sigmoid(trap_t) per token and head (paper section 3.1):
+# known solution). Mamba-3 learns λ_t = sigmoid(trap_t) per token and head:
 # a data-dependent trapezoid, with α, β, γ of section 1 its three coefficients.
 
 def scalar_ode_step(rule, h, a, dt, u_prev, u_now, lam=0.5):
@@ -208,7 +208,7 @@ def scalar_ode_step(rule, h, a, dt, u_prev, u_now, lam=0.5):
     raise ValueError(f"rule must be 'euler', 'exponential_euler' or 'exponential_trapezoidal', got {rule!r}")
 
 
-# Complex states as rotations (paper section 3.2). A real diagonal A can only decay; a complex one,
+# Complex states as rotations. A real diagonal A can only decay; a complex one,
 # A = a + iω, also turns each state entry around the origin, which lets the model count and track
 # parity-like features. Take one pair of state columns as one complex number. With a key pair
 # (k_0, k_1) written κ_k = k_0 − i·k_1 and a query pair κ_q = q_0 + i·q_1, the complex recurrence
@@ -458,7 +458,8 @@ class Mamba3Config:
 
 def heavy_tail(x):
     """f(x) = 1 + x for x ≥ 0, 1/(1 − x) below: positive, continuous and smooth at 0 (f(0) = 1), with
-    a tail that reaches 0 slowly; A = −f(dd_A) in the official module, whose earlier revision used softplus."""
+    a tail that reaches 0 slowly: A = −f(dd_A) in the official module (mamba_ssm/modules/mamba3.py
+    at commit 0348a3d has softplus in its place)."""
     return x.clamp_min(0) + torch.reciprocal(1 - x.clamp_max(0))
 
 
@@ -475,7 +476,7 @@ class Mamba3Mixer(nn.Module):
 
     Everything the SSM reads comes from in_proj, per token: Δ, A, λ and the angular velocities
     θ as well as v, k, q. B and C are normalized (RMSNorm over N) and then get a learned bias per
-    head and rank, initialised to 1 (paper section 3.4). With MIMO, z is lifted to R gates by
+    head and rank, initialised to 1. With MIMO, z is lifted to R gates by
     mimo_z, and mimo_o mixes the R gated outputs back into one per head.
     """
 

@@ -1,6 +1,6 @@
 """Specification of mamba3_minimal.py: the recurrence and its chunked form, the rotation view, the
 discretization rules, the block, recurrent inference, loading. Every oracle is written here in
-float64, from the equations (paper arXiv 2603.15569 section 3; the official tests'
+float64, from the equations (paper arXiv 2603.15569; the official tests'
 mamba3_siso_step_ref and mamba3_MIMO_step_ref), independently of the code under test."""
 
 import json
