@@ -176,18 +176,18 @@ def _initial_state(state, v, R, N, S):
 # ------------------------------------------------------------------------------------------------
 # 2. Why these equations
 # ------------------------------------------------------------------------------------------------
-# Discretization. Take one scalar channel of the continuous SSM, h'(τ) = a·h(τ) + u(τ), with u the
+# Discretization. Take one scalar channel of the continuous SSM, h'(τ) = A·h(τ) + u(τ), with u the
 # input (B·x). Over one step of length Δ the exact solution is
 #
-#     h(τ + Δ) = exp(Δ·a)·h(τ) + ∫_0^Δ exp((Δ − s)·a)·u(τ + s) ds
+#     h(τ + Δ) = exp(Δ·A)·h(τ) + ∫_0^Δ exp((Δ − s)·A)·u(τ + s) ds
 #
 # and a rule is a way to approximate the integral from the inputs at the two ends of the step:
 #
-#     Euler                     h_t = (1 + Δ·a)·h_{t-1} + Δ·u_t                 error O(Δ)
-#     exponential-Euler         h_t = exp(Δ·a)·h_{t-1} + Δ·u_t                  error O(Δ)
+#     Euler                     h_t = (1 + Δ·A)·h_{t-1} + Δ·u_{t-1}             error O(Δ)
+#     exponential-Euler         h_t = exp(Δ·A)·h_{t-1} + Δ·u_t                  error O(Δ)
 #       (Mamba-1 and 2: "ZOH" for A, the decay exact; the integral as the box Δ·u_t)
-#     exponential-trapezoidal   h_t = exp(Δ·a)·h_{t-1} + (1 − λ)·Δ·exp(Δ·a)·u_{t-1} + λ·Δ·u_t
-#       the integrand at s = 0 is exp(Δ·a)·u_{t-1}, at s = Δ it is u_t: a trapezoid mixes the two.
+#     exponential-trapezoidal   h_t = exp(Δ·A)·h_{t-1} + (1 − λ)·Δ·exp(Δ·A)·u_{t-1} + λ·Δ·u_t
+#       the integrand at s = 0 is exp(Δ·A)·u_{t-1}, at s = Δ it is u_t: a trapezoid mixes the two.
 #       λ = 1/2 is the trapezoid rule, error O(Δ²); λ = 1 is exponential-Euler again.
 #
 # The errors are global (at a fixed end time, after 1/Δ steps); each halving of Δ halves the error
@@ -195,25 +195,25 @@ def _initial_state(state, v, R, N, S):
 # known solution). Mamba-3 learns λ_t = sigmoid(trap_t) per token and head:
 # a data-dependent trapezoid, with α, β, γ of section 1 its three coefficients.
 
-def scalar_ode_step(rule, h, a, dt, u_prev, u_now, lam=0.5):
-    """One step of h' = a·h + u by one of the three rules above; tensors or Python floats."""
-    exp = torch.exp if isinstance(dt * a, torch.Tensor) else math.exp
+def scalar_ode_step(rule, h, A, dt, u_prev, u_now, lam=0.5):
+    """One step of h' = A·h + u by one of the three rules above; tensors or Python floats."""
+    exp = torch.exp if isinstance(dt * A, torch.Tensor) else math.exp
     if rule == "euler":
-        return (1 + dt * a) * h + dt * u_now
+        return (1 + dt * A) * h + dt * u_prev
     if rule == "exponential_euler":
-        return exp(dt * a) * h + dt * u_now
+        return exp(dt * A) * h + dt * u_now
     if rule == "exponential_trapezoidal":
-        alpha = exp(dt * a)
+        alpha = exp(dt * A)
         return alpha * h + (1 - lam) * dt * alpha * u_prev + lam * dt * u_now
     raise ValueError(f"rule must be 'euler', 'exponential_euler' or 'exponential_trapezoidal', got {rule!r}")
 
 
 # Complex states as rotations. A real diagonal A can only decay; a complex one,
-# A = a + iω, also turns each state entry around the origin, which lets the model count and track
+# A + iθ, also turns each state entry around the origin, which lets the model count and track
 # parity-like features. Take one pair of state columns as one complex number. With a key pair
 # (k_0, k_1) written κ_k = k_0 − i·k_1 and a query pair κ_q = q_0 + i·q_1, the complex recurrence
 #
-#     g_t = exp(Δ_t·(a_t + iθ_t))·g_{t-1} + ... + γ_t·v_t·κ_{k,t},      y_t = Re(κ_{q,t}·g_t)
+#     g_t = exp(Δ_t·(A_t + iθ_t))·g_{t-1} + ... + γ_t·v_t·κ_{k,t},      y_t = Re(κ_{q,t}·g_t)
 #
 # gives, with φ_t = Σ_{s≤t} Δ_s·θ_s the accumulated angle, g_t = Σ_s w_{t,s}·e^{i(φ_t − φ_s)}·v_s·κ_{k,s}
 # (w_{t,s} the real decays and trapezoid weights) and
@@ -225,8 +225,8 @@ def scalar_ode_step(rule, h, a, dt, u_prev, u_now, lam=0.5):
 # positions times fixed frequencies but a running sum of data-dependent increments Δ_s·θ_s. The
 # state stays real and no complex arithmetic runs. The angle itself is the fourth part of the
 # recurrent state; only its value mod 2π matters to cos and sin, and keeping it in [0, 2π) keeps
-# its rounding at the size of 2π's in fp32 however long the generation (a raw sum would grow like
-# L·π and lose digits: an fp32 ulp is 5e-4 at 5000).
+# its rounding error at an fp32 ulp of 2π (5e-7) however long the generation, where a raw sum
+# would grow like L·π and lose digits (an fp32 ulp is 5e-4 at 5000).
 #
 # Which entries pair up is a convention of the official kernels: the SISO path rotates adjacent
 # entries (2j, 2j + 1), the MIMO path entries j and j + N/2 (their `rotate_pairwise` flag). Only

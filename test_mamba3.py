@@ -88,7 +88,7 @@ def reference_mamba3(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=N
 
 
 def complex_reference(q, k, v, dt, adt, lam, theta, mimo_x=None, pairing="adjacent"):
-    """The rotation view's other side: a complex state with A_t = a_t + iθ_t per rotated pair
+    """The rotation view's other side: a complex state with A_t + iθ_t per rotated pair
     (m, n), fed with κ_k = k_m − i·k_n and read with Re(κ_q·g), κ_q = q_m + i·q_n; the other
     entries are a real state. No rotation anywhere; zero initial state, no biases, one group."""
     q, k, v, dt, adt, lam, theta = (t.double() for t in (q, k, v, dt, adt, lam, theta))
