@@ -292,6 +292,25 @@ def test_fp32_and_bf16_inputs_are_computed_in_fp32_close_to_the_float64_loop():
         assert (y.double() - y_ref).abs().max() / scale < tol, dtype
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_chunked_form_and_model_match_the_float64_cpu_reference():
+    inputs = mamba3_inputs(L=21, H=2, G=1, N=8, R=2, S=2, with_state=True, seed=8)
+    y_ref, _ = reference_mamba3(**inputs, pairing="halves")
+    on_gpu = {n: (t.float().cuda() if isinstance(t, torch.Tensor) else tuple(s.float().cuda() for s in t))
+              for n, t in inputs.items()}
+    y = m3.mamba3_chunked(**on_gpu, pairing="halves", chunk_size=8)
+    torch.testing.assert_close(y.double().cpu(), y_ref, rtol=1e-4, atol=1e-4)
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2))).double().eval()
+    ids = torch.randint(0, 29, (2, 19))
+    expected = model(ids)
+    model = model.float().cuda()
+    torch.testing.assert_close(model(ids.cuda()).double().cpu(), expected, rtol=1e-4, atol=1e-4)
+    logits, cache = model.prefill(ids[:, :10].cuda())
+    steps = [model.step(ids[:, t].cuda(), cache) for t in range(10, 19)]
+    torch.testing.assert_close(torch.stack(steps, 1).double().cpu(), expected[:, 10:], rtol=1e-4, atol=1e-4)
+
+
 def test_a_long_sequence_keeps_the_angle_in_range_and_close_in_fp32():
     """After 4096 steps turning the same way the raw angle sum is about 5000 (an fp32 ulp of 5e-4
     there); the final angle is kept in [0, 2π) and within 1e-3 of the float64 sum mod 2π."""
