@@ -70,7 +70,7 @@ ARCH_DEFAULTS = {
     "mamba2": {"cpu": dict(d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
     # Mamba-3: at d_state 32 a training step costs about 1.2x Mamba-2's at 64 on a CPU, with 0.78M
     # parameters (python bench.py mamba3); the paper (arXiv 2603.15569) reports Mamba-3 at state
-    # size 64 matching Mamba-2 at 128
+    # size 64 matching Mamba-2 at 128. On a GPU, Mamba-2's choice (not measured for Mamba-3)
     "mamba3": {"cpu": dict(d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
     # The yardstick: nanoGPT's README CPU run (config/train_shakespeare_char.py with a 4-layer,
     # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its
