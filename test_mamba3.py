@@ -457,11 +457,11 @@ def perturbed(model):
     return model
 
 
-MIXER_CONFIGS = [dict(), dict(rope_fraction=1.0, ngroups=1), dict(is_outproj_norm=True),
+MIXER_CONFIGS = [dict(), dict(rope_fraction=1.0, ngroups=1), dict(is_outproj_norm=True), dict(is_mimo=True, mimo_rank=1),
                  dict(is_mimo=True, mimo_rank=2), dict(is_mimo=True, mimo_rank=4, is_outproj_norm=True)]
 
 
-@pytest.mark.parametrize("kw", MIXER_CONFIGS, ids=["siso", "rope1", "outproj_norm", "mimo2", "mimo4_norm"])
+@pytest.mark.parametrize("kw", MIXER_CONFIGS, ids=["siso", "rope1", "outproj_norm", "mimo1", "mimo2", "mimo4_norm"])
 def test_mixer_matches_the_official_equations_in_float64(kw):
     torch.manual_seed(0)
     mixer = perturbed(m3.Mamba3Mixer(small_config(**kw)).double())
