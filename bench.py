@@ -656,13 +656,13 @@ def bench_mamba2_profile(args, device):
 
 MAMBA3_CPU_CANDIDATES = {  # d_model 128, 7 layers: 0.8M-0.9M parameters, like Mamba-1's and Mamba-2's defaults
     "mamba3 SISO, d_state 64, headdim 64, chunk 64": dict(d_state=64, headdim=64, chunk_size=64),
-    "mamba3 SISO, d_state 32, headdim 64, chunk 64": dict(d_state=32, headdim=64, chunk_size=64),
+    "mamba3 SISO, d_state 32, headdim 64, chunk 64 (trainer's CPU default)": dict(d_state=32, headdim=64, chunk_size=64),
     "mamba3 SISO, d_state 64, headdim 32, chunk 64": dict(d_state=64, headdim=32, chunk_size=64),
     "mamba3 SISO, d_state 64, headdim 64, chunk 16": dict(d_state=64, headdim=64, chunk_size=16),
-    "mamba3 MIMO rank 2, d_state 64, headdim 64, chunk 32": dict(d_state=64, headdim=64, chunk_size=32,
-                                                                   is_mimo=True, mimo_rank=2),
-    "mamba3 MIMO rank 4, d_state 64, headdim 64, chunk 16": dict(d_state=64, headdim=64, chunk_size=16,
-                                                                   is_mimo=True, mimo_rank=4),
+    "mamba3 MIMO rank 2, d_state 32, chunk 32 (--mimo-rank 2)": dict(d_state=32, headdim=64, chunk_size=32,
+                                                                       is_mimo=True, mimo_rank=2),
+    "mamba3 MIMO rank 4, d_state 32, chunk 16 (--mimo-rank 4)": dict(d_state=32, headdim=64, chunk_size=16,
+                                                                       is_mimo=True, mimo_rank=4),
 }
 
 
@@ -693,7 +693,8 @@ def bench_mamba3(args, device):
     prompt = torch.randint(0, vocab, (1, 16), device=device)
     runs = {}
     for name in ("mamba d_state 4 (trainer's CPU default)", "mamba2 d_state 64, headdim 64 (trainer's CPU default)",
-                 "mamba3 SISO, d_state 64, headdim 64, chunk 64", "mamba3 MIMO rank 2, d_state 64, headdim 64, chunk 32"):
+                 "mamba3 SISO, d_state 32, headdim 64, chunk 64 (trainer's CPU default)",
+                 "mamba3 MIMO rank 2, d_state 32, chunk 32 (--mimo-rank 2)"):
         model = models[name].eval()
         runs[name] = lambda model=model: model.generate(prompt, n_new, top_k=1)
     ms = interleaved(runs, max(1, args.repeats // 2), device)

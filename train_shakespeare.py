@@ -68,7 +68,7 @@ ARCH_DEFAULTS = {
     # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls. Heads of 64 channels:
     # the fastest 0.83M candidate on a CPU (python bench.py mamba2_train), as in the official models
     "mamba2": {"cpu": dict(d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3: at d_state 32 a training step costs about 1.2x Mamba-2's at 64 on a CPU, with 0.78M
+    # Mamba-3: at d_state 32 a training step costs 1.0-1.2x Mamba-2's at 64 on a CPU, with 0.78M
     # parameters (python bench.py mamba3); the paper (arXiv 2603.15569) reports Mamba-3 at state
     # size 64 matching Mamba-2 at 128. On a GPU, Mamba-2's choice (not measured for Mamba-3)
     "mamba3": {"cpu": dict(d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
