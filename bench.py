@@ -10,6 +10,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
     python bench.py mamba2_profile  # where that step's time goes: matmuls vs the rest (torch.profiler)
+    python bench.py mamba3        # one training step of Mamba-3 candidates vs Mamba-1, Mamba-2 and the GPT; generation
     python bench.py all           # everything above
     python bench.py gpu           # on a CUDA machine: CUDA tests, the seed's L = 8192 table, training
 
@@ -650,6 +651,58 @@ def bench_mamba2_profile(args, device):
 
 
 # ------------------------------------------------------------------------------------------------
+# Mamba-3: the training step at the trainer's shape, and generation
+# ------------------------------------------------------------------------------------------------
+
+MAMBA3_CPU_CANDIDATES = {  # d_model 128, 7 layers: 0.8M-0.9M parameters, like Mamba-1's and Mamba-2's defaults
+    "mamba3 SISO, d_state 64, headdim 64, chunk 64": dict(d_state=64, headdim=64, chunk_size=64),
+    "mamba3 SISO, d_state 32, headdim 64, chunk 64 (trainer's CPU default)": dict(d_state=32, headdim=64, chunk_size=64),
+    "mamba3 SISO, d_state 64, headdim 32, chunk 64": dict(d_state=64, headdim=32, chunk_size=64),
+    "mamba3 SISO, d_state 64, headdim 64, chunk 16": dict(d_state=64, headdim=64, chunk_size=16),
+    "mamba3 MIMO rank 2, d_state 32, chunk 32 (--mimo-rank 2)": dict(d_state=32, headdim=64, chunk_size=32,
+                                                                       is_mimo=True, mimo_rank=2),
+    "mamba3 MIMO rank 4, d_state 32, chunk 16 (--mimo-rank 4)": dict(d_state=32, headdim=64, chunk_size=16,
+                                                                       is_mimo=True, mimo_rank=4),
+}
+
+
+def bench_mamba3(args, device):
+    """One training step of Mamba-3 candidates at the trainer's CPU shape against the Mamba-1 and
+    Mamba-2 trainer defaults and the GPT yardstick (interleaved), then greedy generation tokens/s
+    of the three generations at their defaults (prefill of 16 tokens, then 256 steps)."""
+    import mamba2_minimal as m2
+    import mamba3_minimal as m3
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    models = {}
+    torch.manual_seed(0)
+    models["mamba d_state 4 (trainer's CPU default)"] = mm.MambaLM(
+        mm.MambaConfig(d_model=128, n_layer=7, vocab_size=vocab, d_state=4))
+    torch.manual_seed(0)
+    models["mamba2 d_state 64, headdim 64 (trainer's CPU default)"] = m2.Mamba2LM(m2.Mamba2Config(
+        d_model=128, n_layer=7, vocab_size=vocab, d_state=64, headdim=64, chunk_size=block))
+    for name, kw in MAMBA3_CPU_CANDIDATES.items():
+        torch.manual_seed(0)
+        models[name] = m3.Mamba3LM(m3.Mamba3Config(d_model=128, n_layer=7, vocab_size=vocab, **kw))
+    torch.manual_seed(0)
+    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=128, block_size=block))
+    training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model 128; "
+                        "Mamba 7 layers, GPT 4 layers; /GPT: over the GPT", models, ids, vocab, args, device)
+
+    n_new = 32 if args.quick else 256
+    prompt = torch.randint(0, vocab, (1, 16), device=device)
+    runs = {}
+    for name in ("mamba d_state 4 (trainer's CPU default)", "mamba2 d_state 64, headdim 64 (trainer's CPU default)",
+                 "mamba3 SISO, d_state 32, headdim 64, chunk 64 (trainer's CPU default)",
+                 "mamba3 MIMO rank 2, d_state 32, chunk 32 (--mimo-rank 2)"):
+        model = models[name].eval()
+        runs[name] = lambda model=model: model.generate(prompt, n_new, top_k=1)
+    ms = interleaved(runs, max(1, args.repeats // 2), device)
+    table(f"greedy generation, batch 1: prompt of 16, then {n_new} tokens, one O(1) step each",
+          ["model", "ms", "tokens/s"], [[name, f"{t:.0f}", f"{n_new / t * 1e3:,.0f}"] for name, t in ms.items()])
+
+
+# ------------------------------------------------------------------------------------------------
 # On a GPU, in one go: the CUDA tests, the seed's table at its own shape, a short training run
 # ------------------------------------------------------------------------------------------------
 # Seed 000 measures the selective scan of one Mamba layer at d_model 1024 (so ED = 2048), N = 16,
@@ -830,7 +883,7 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, generate, mamba2_ssd, mamba2_train, mamba2_profile, all; or gpu")
+                                           "train, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
@@ -853,7 +906,7 @@ def main():
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
               "selective": bench_selective, "train": bench_train, "generate": bench_generate,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
-              "mamba2_profile": bench_mamba2_profile}
+              "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3}
     whats = args.what or ["scan"]
     if whats == ["all"]:
         whats = list(tables)

@@ -728,3 +728,27 @@ def test_an_error_after_the_first_step_is_not_swallowed(text_file, tmp_path, cap
     monkeypatch.setattr(ts, "train_step", fails_once_at_step_3)
     with pytest.raises(RuntimeError, match="a real bug"):
         run(["--data", text_file, "--out-dir", str(tmp_path / "r"), "--max-iters", "4", "--compile"] + TINY, capsys)
+
+
+MAMBA3_TINY = ["--arch", "mamba3", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
+
+
+@pytest.mark.parametrize("mimo", [[], ["--mimo-rank", "2"]], ids=["siso", "mimo2"])
+def test_mamba3_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypatch, mimo):
+    pytest.importorskip("mamba3_minimal")
+    from mamba3_minimal import Mamba3Config, Mamba3LM
+    ckpt = trains_resumes_and_samples("mamba3", MAMBA3_TINY + mimo, lambda config: Mamba3LM(Mamba3Config(**config)),
+                                      text_file, tmp_path, capsys, monkeypatch)
+    config = ckpt["config"]
+    assert (config["headdim"], config["d_state"], config["is_mimo"], config["mimo_rank"]) == \
+        (8, 8, bool(mimo), 2 if mimo else 1)
+
+
+def test_mamba3_defaults_and_its_flags():
+    args = defaults_for(["--arch", "mamba3"])  # the CPU default chosen with python bench.py mamba3
+    assert (args.d_state, args.headdim, args.mimo_rank, args.max_time) == (32, 64, None, 300.0)
+    for argv, match in [(["--arch", "mamba2", "--mimo-rank", "2"], "--mimo-rank does not apply to --arch mamba2"),
+                        (["--arch", "mamba3", "--compile"], "--compile does not apply to --arch mamba3"),
+                        (["--arch", "mamba3", "--mimo-rank", "0"], "--mimo-rank must be at least 1")]:
+        with pytest.raises(SystemExit, match=match):
+            defaults_for(argv)

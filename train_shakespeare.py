@@ -5,10 +5,11 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --max-iters 1000             # a fixed number of steps instead
     python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
     python train_shakespeare.py --arch mamba2 --compile      # Mamba-2 (SSD), its mixers compiled
+    python train_shakespeare.py --arch mamba3 --mimo-rank 2  # Mamba-3, MIMO of rank 2 (without the flag: SISO)
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
-The script reads top to bottom: settings, data, the models (--arch mamba, mamba2 or gpt), evaluation,
+The script reads top to bottom: settings, data, the models (--arch mamba, mamba2, mamba3 or gpt), evaluation,
 sampling, then the whole run: set up or resume, the loop, the end.
 A run is either time-based (--max-time, the CPU default of 300 s: the learning rate's decay, the
 evaluations and the stop follow the fraction of the time budget spent, so the same curve fits a
@@ -67,6 +68,10 @@ ARCH_DEFAULTS = {
     # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls. Heads of 64 channels:
     # the fastest 0.83M candidate on a CPU (python bench.py mamba2_train), as in the official models
     "mamba2": {"cpu": dict(d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
+    # Mamba-3: at d_state 32 a training step costs 1.0-1.2x Mamba-2's at 64 on a CPU, with 0.78M
+    # parameters (python bench.py mamba3); the paper (arXiv 2603.15569) reports Mamba-3 at state
+    # size 64 matching Mamba-2 at 128. On a GPU, Mamba-2's choice (not measured for Mamba-3)
+    "mamba3": {"cpu": dict(d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
     # The yardstick: nanoGPT's README CPU run (config/train_shakespeare_char.py with a 4-layer,
     # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its
     # dropout); iteration-based, as nanoGPT's schedule is. It has no SSM state and no scan.
@@ -75,8 +80,8 @@ ARCH_DEFAULTS = {
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
-ARCH_FLAGS = {"d_state": ("mamba", "mamba2"), "headdim": ("mamba2",), "n_head": ("gpt",),
-              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2")}  # model flags that only some archs have
+ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
+              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",)}  # model flags that only some archs have
 
 # Set once at start-up: RANK and WORLD by the process setup (0 and 1 without torchrun), VOCAB_SIZE
 # from the text. Module-level, so that log, get_batch and loss_fn need no extra arguments.
@@ -90,13 +95,15 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--seed", type=int, default=1337)
     m = p.add_argument_group("model (defaults depend on the device and the architecture)")
-    m.add_argument("--arch", choices=["mamba", "mamba2", "gpt"],
-                   help="mamba (default), mamba2 (SSD, mamba2_minimal.py) or gpt (the yardstick in bench.py); "
+    m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"],
+                   help="mamba (default), mamba2 (SSD, mamba2_minimal.py), mamba3 (mamba3_minimal.py) or gpt "
+                        "(the yardstick in bench.py); "
                         "--resume and --sample read it from the checkpoint")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
-    m.add_argument("--d-state", type=int, help="mamba, mamba2: the SSM state size N")
-    m.add_argument("--headdim", type=int, help="mamba2: channels per head")
+    m.add_argument("--d-state", type=int, help="mamba, mamba2, mamba3: the SSM state size N")
+    m.add_argument("--headdim", type=int, help="mamba2, mamba3: channels per head")
+    m.add_argument("--mimo-rank", type=int, help="mamba3: MIMO of this rank R (default: SISO)")
     m.add_argument("--n-head", type=int, help="gpt: attention heads")
     m.add_argument("--scan-backend", choices=SCAN_BACKENDS)
     m.add_argument("--compile", action="store_true",
@@ -194,7 +201,7 @@ def check_numbers(args):
         if not ok:
             sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
 
-    for key in ("d_model", "n_layer", "d_state", "headdim", "n_head", "block_size", "batch_size", "max_iters",
+    for key in ("d_model", "n_layer", "d_state", "headdim", "mimo_rank", "n_head", "block_size", "batch_size", "max_iters",
                 "eval_interval", "eval_iters", "log_interval", "num_evals"):
         value = getattr(args, key)
         need(value is None or value >= 1, key, "at least 1")
@@ -363,17 +370,21 @@ def windows(split, starts, block_size, device):
 
 
 # ------------------------------------------------------------------------------------------------
-# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), the GPT yardstick (bench.py)
+# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), Mamba-3 (mamba3_minimal.py),
+# the GPT yardstick (bench.py)
 # ------------------------------------------------------------------------------------------------
 
 def arch_classes(arch):
-    """(config class, model class). Mamba-2 and the GPT are imported only when asked for."""
+    """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
     if arch == "mamba":
         return MambaConfig, MambaLM
     try:
         if arch == "mamba2":
             from mamba2_minimal import Mamba2Config, Mamba2LM
             return Mamba2Config, Mamba2LM
+        if arch == "mamba3":
+            from mamba3_minimal import Mamba3Config, Mamba3LM
+            return Mamba3Config, Mamba3LM
         from bench import GPTConfig, TinyGPT
         return GPTConfig, TinyGPT
     except ImportError as err:
@@ -390,6 +401,11 @@ def model_kwargs(args, vocab_size):
         # 64-character block four times over
         kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
                   compile_mixer=args.compile)
+    elif args.arch == "mamba3":
+        # a block is one chunk (SISO); with MIMO the official recommendation, 64 / rank
+        rank = args.mimo_rank or 1
+        kw.update(d_state=args.d_state, headdim=args.headdim, is_mimo=args.mimo_rank is not None,
+                  mimo_rank=rank, chunk_size=max(1, min(64, args.block_size) // rank))
     else:
         kw.update(n_head=args.n_head, block_size=args.block_size)
     return kw
