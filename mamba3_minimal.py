@@ -456,13 +456,6 @@ class Mamba3Config:
         return (self.vocab_size + m - 1) // m * m
 
 
-def heavy_tail(x):
-    """f(x) = 1 + x for x ≥ 0, 1/(1 − x) below: positive, continuous and smooth at 0 (f(0) = 1), with
-    a tail that reaches 0 slowly: A = −f(dd_A) in the official module (mamba_ssm/modules/mamba3.py
-    at commit 0348a3d has softplus in its place)."""
-    return x.clamp_min(0) + torch.reciprocal(1 - x.clamp_max(0))
-
-
 class Mamba3Mixer(nn.Module):
     """The Mamba-3 block (the official `Mamba3` module, named `mixer` in the tree).
 
@@ -470,7 +463,7 @@ class Mamba3Mixer(nn.Module):
                  ├─ x ───────────────────────────────── v ─┐                           │
                  ├─ B, C ─ RMSNorm ─────────────────── k, q ┤                           │
                  ├─ dd_dt ─ softplus(· + dt_bias) ───── Δ ──┤                           │
-                 ├─ dd_A ─ −f(·), ≤ −A_floor ────────── A ──┼─ Mamba-3 SSM (+D·v) ─ ·SiLU(z)
+                 ├─ dd_A ─ −softplus(·), ≤ −A_floor ─── A ──┼─ Mamba-3 SSM (+D·v) ─ ·SiLU(z)
                  ├─ trap ─ sigmoid ──────────────────── λ ──┤   (optional per-head RMSNorm
                  └─ angles ─ π·tanh ─────────────────── θ ──┘    first) ─ out_proj
 
@@ -529,7 +522,8 @@ class Mamba3Mixer(nn.Module):
         z, x, B, C, dd_dt, dd_A, trap, angles = zxbc.split(self.split_sizes, dim=-1)
         k = self.B_norm(B.unflatten(-1, (R, G, N)))  # (..., R, G, N)
         q = self.C_norm(C.unflatten(-1, (R, G, N)))  # (..., R, G, N)
-        A = (-heavy_tail(_at_least_fp32(dd_A))).clamp(max=-cfg.A_floor)  # (..., H)  A ≤ -A_floor < 0
+        # negated, then clamped: A ≤ -A_floor < 0, so every step decays (mamba_ssm/modules/mamba3.py)
+        A = (-F.softplus(_at_least_fp32(dd_A))).clamp(max=-cfg.A_floor)  # (..., H)
         dt = F.softplus(_at_least_fp32(dd_dt) + _at_least_fp32(self.dt_bias))  # (..., H)  Δ
         lam = torch.sigmoid(_at_least_fp32(trap))  # (..., H)
         theta = math.pi * torch.tanh(_at_least_fp32(angles))  # (..., S), the same for every head

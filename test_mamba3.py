@@ -416,8 +416,8 @@ def small_config(**kw):
 
 def reference_mixer(mixer, u):
     """The official Mamba3.forward from its equations, in float64: in_proj split in the order
-    [z, x, B, C, dd_dt, dd_A, trap, angles]; B, C RMSNorm (eps 1e-5); A = −f(dd_A) clamped at
-    −A_floor, f(x) = 1 + x (x ≥ 0), 1/(1 − x) (x < 0); Δ = softplus(dd_dt + dt_bias); λ = sigmoid(trap);
+    [z, x, B, C, dd_dt, dd_A, trap, angles]; B, C RMSNorm (eps 1e-5); A = −softplus(dd_A) clamped
+    at −A_floor; Δ = softplus(dd_dt + dt_bias); λ = sigmoid(trap);
     θ = π·tanh(angles); the SSM (the oracle loop); per rank the optional per-head RMSNorm, the gate
     SiLU(z·mimo_z[r]); mimo_o over the ranks; out_proj."""
     cfg = mixer.cfg
@@ -431,8 +431,7 @@ def reference_mixer(mixer, u):
     rms = lambda t, w: t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w  # noqa: E731
     k = rms(B.unflatten(-1, (R, G, N)), sd["B_norm.weight"])
     q = rms(C.unflatten(-1, (R, G, N)), sd["C_norm.weight"])
-    f = torch.where(dd_A >= 0, 1 + dd_A, 1 / (1 - dd_A))
-    A = torch.minimum(-f, torch.tensor(-cfg.A_floor, dtype=torch.float64))
+    A = torch.minimum(-torch.log1p(torch.exp(dd_A)), torch.tensor(-cfg.A_floor, dtype=torch.float64))
     dt = F.softplus(dd_dt + sd["dt_bias"])
     theta = (math.pi * torch.tanh(angles)).unsqueeze(-2).expand(*angles.shape[:-1], H, S)
     y, _ = reference_mamba3(q, k, x.unflatten(-1, (H, P)), dt, A * dt, torch.sigmoid(trap), theta,
