@@ -1,6 +1,7 @@
 """Specification of train_shakespeare.py, on a small text each test writes for itself."""
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -683,6 +684,42 @@ def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypa
     ckpt = trains_resumes_and_samples("mamba2", MAMBA2_TINY, lambda config: Mamba2LM(Mamba2Config(**config)),
                                       text_file, tmp_path, capsys, monkeypatch)
     assert (ckpt["config"]["headdim"], ckpt["config"]["d_state"], ckpt["config"]["d_model"]) == (8, 8, 16)
+
+
+def test_mamba2_training_step_under_bf16_autocast_follows_the_float64_loop(monkeypatch):
+    # the CUDA default's situation on a CPU: bf16 autocast, and a block of several SSD chunks
+    # (here block 96 and the trainer's chunk of 64: two chunks, the second one padded)
+    import copy
+
+    import mamba2_minimal as m2
+    from test_mamba2 import reference_ssd
+    monkeypatch.setattr(ts, "VOCAB_SIZE", 20)
+    args = ts.parse_args(["--arch", "mamba2", "--d-model", "32", "--n-layer", "2", "--d-state", "8",
+                          "--headdim", "16", "--block-size", "96", "--grad-clip", "0"])
+    ts.fill_defaults(args, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = ts.build_model("mamba2", ts.model_kwargs(args, 20))
+    assert model.cfg.chunk_size == 64
+    ids = torch.randint(0, 20, (2, 97), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1], ids[:, 1:]  # (2, 96) each
+
+    reference = copy.deepcopy(model).double()
+
+    def loop(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, scan_backend="auto"):
+        y, h = reference_ssd(x, dt, A, B, C, D, h0)
+        return (y, h) if return_last_state else y
+
+    with monkeypatch.context() as m:
+        m.setattr(m2, "ssd", loop)  # the oracle: the per-head float64 loop in every layer
+        loss_ref = ts.loss_fn(reference, x, y, contextlib.nullcontext())
+        grads_ref = torch.autograd.grad(loss_ref, list(reference.parameters()))
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = ts.train_step(model, optimizer, x, y, args, torch.autocast("cpu", dtype=torch.bfloat16))
+    # bf16 matmuls keep about 3 significant digits
+    assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
+    for (name, p), g_ref in zip(model.named_parameters(), grads_ref):
+        assert (p.grad.double() - g_ref).norm() <= 0.05 * g_ref.norm() + 1e-6, name
 
 
 # ------------------------------------------------------------------------------------------------
