@@ -586,6 +586,19 @@ def test_the_batch_windows_depend_on_the_rank(monkeypatch):
     assert not torch.equal(x0[:, 0], x1[:, 0])  # each process trains on its own windows
 
 
+def test_cuda_batches_are_pinned_and_copied_without_waiting(monkeypatch):
+    # a blocking copy from pageable memory would make the loop wait for the GPU at every step;
+    # a CPU-only build has no CUDA device, so the two calls are recorded instead of made
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, **kw: calls.append((str(device), kw)) or self)
+    x, y = ts.windows(torch.arange(100), torch.tensor([3, 50]), 8, torch.device("cuda"))
+    monkeypatch.undo()
+    assert calls == ["pin", ("cuda", {"non_blocking": True})] * 2
+    assert torch.equal(x, torch.stack([torch.arange(3, 11), torch.arange(50, 58)]))
+    assert torch.equal(y, x + 1)
+
+
 # ------------------------------------------------------------------------------------------------
 # The architectures: Mamba, Mamba-2 and the GPT yardstick on the same data, windows and log
 # ------------------------------------------------------------------------------------------------

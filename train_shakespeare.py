@@ -359,6 +359,8 @@ def windows(split, starts, block_size, device):
     starts = starts.tolist()
     x = torch.stack([split[i:i + block_size] for i in starts])  # (B, T)
     y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (B, T)
+    if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: the loop goes on
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
