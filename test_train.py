@@ -728,11 +728,73 @@ def test_mamba2_training_step_under_bf16_autocast_follows_the_float64_loop(monke
         grads_ref = torch.autograd.grad(loss_ref, list(reference.parameters()))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = ts.train_step(model, optimizer, x, y, args, torch.autocast("cpu", dtype=torch.bfloat16))
+    loss = ts.train_step(model, optimizer, x, y, args, ts.precision(torch.device("cpu"), "bf16")[0])
     # bf16 matmuls keep about 3 significant digits
     assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
     for (name, p), g_ref in zip(model.named_parameters(), grads_ref):
         assert (p.grad.double() - g_ref).norm() <= 0.05 * g_ref.norm() + 1e-6, name
+
+
+def test_dtype_defaults_to_bf16_where_the_gpu_has_it_fp16_on_older_gpus_fp32_elsewhere(monkeypatch):
+    asked = []
+
+    def bf16_supported(has_it):
+        return lambda including_emulation=True: asked.append(including_emulation) or has_it
+
+    assert ts.default_dtype(torch.device("cpu")) == "fp32" and defaults_for([]).dtype == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(True))
+    args = ts.parse_args([])
+    ts.fill_defaults(args, torch.device("cuda"))
+    assert args.dtype == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(False))  # a T4 or V100
+    assert ts.default_dtype(torch.device("cuda")) == "fp16"
+    assert asked == [False, False]  # emulated bf16 (slow) does not count
+    args = ts.parse_args(["--dtype", "fp32"])
+    ts.fill_defaults(args, torch.device("cuda"))
+    assert args.dtype == "fp32"
+    with pytest.raises(SystemExit):
+        ts.parse_args(["--dtype", "float16"])
+
+
+def test_dtype_sets_autocast_and_fp16_trains_with_a_loss_scaler(monkeypatch):
+    cpu = torch.device("cpu")
+    autocast, scaler = ts.precision(cpu, "fp32")
+    with autocast:
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32 and scaler is None
+    autocast, scaler = ts.precision(cpu, "bf16")
+    with autocast:
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16 and scaler is None
+    autocast, scaler = ts.precision(cpu, "fp16")
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.get_scale() > 1
+    # one fp16 step with the scaler: the clipped gradients are the true ones, not the scaled ones
+    monkeypatch.setattr(ts, "VOCAB_SIZE", 20)
+    args = ts.parse_args(["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--grad-clip", "0.5"])
+    ts.fill_defaults(args, cpu)
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=16, n_layer=1, vocab_size=20, d_state=4))
+    ids = torch.randint(0, 20, (2, 17), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    reference = MambaLM(MambaConfig(d_model=16, n_layer=1, vocab_size=20, d_state=4)).double()
+    reference.load_state_dict(model.state_dict())
+    loss_ref = ts.loss_fn(reference, x, y, contextlib.nullcontext())
+    grads_ref = torch.autograd.grad(loss_ref, list(reference.parameters()))
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads_ref))
+    assert norm > 0.5  # so that clipping acts
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = ts.train_step(model, optimizer, x, y, args, autocast, scaler)
+    assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
+    for (name, p), g_ref in zip(model.named_parameters(), grads_ref):
+        assert (p.grad.double() - g_ref * 0.5 / norm).norm() <= 0.02 * (g_ref * 0.5 / norm).norm() + 1e-6, name
+
+
+def test_an_fp16_run_keeps_its_loss_scale_in_the_checkpoint(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "fp16")
+    out = run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "4", "--eval-interval", "2",
+               "--dtype", "fp16"] + TINY, capsys)
+    assert "thread(s), fp16" in out
+    assert all(math.isfinite(r["val_loss"]) for r in evals(out_dir) if "val_loss" in r)
+    ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
+    assert ckpt["args"]["dtype"] == "fp16" and ckpt["scaler"]["scale"] > 1
 
 
 # ------------------------------------------------------------------------------------------------
