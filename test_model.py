@@ -555,6 +555,8 @@ def test_cuda_compiled_paths_match_the_float64_cpu_reference():
             want = torch.autograd.grad(y64, ref_inputs, gy)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.double().cpu(), w.double(), rtol=1e-3, atol=1e-3)
+    if TORCH_VERSION >= (2, 7):  # compile="loop" compiled its loop, and did not fall back to per-chunk calls
+        assert mm._compiled_loop_works, "compile='loop' fell back to one compiled call per chunk on CUDA"
 
 
 # ------------------------------------------------------------------------------------------------
