@@ -97,7 +97,7 @@ def test_bench_gpu_tiny_runs_every_part_in_order_on_the_cpu(text_file):
     assert not [r for r in rows if "failed" in r or "killed" in r or "skipped" in r], out
     for arch in ("mamba", "gpt", "mamba2"):
         row = next(r for r in rows if r.replace(" ", "").startswith(f"|{arch}|"))
-        assert "| bf16 |" in row and "(step 4)" in row, row  # under CPU bf16 autocast, trained to the end
+        assert re.search(r"\| +bf16 \|", row) and "(step 4)" in row, row  # CPU bf16 autocast, to the end
     assert "fell back" not in out  # compile="loop" compiled its loop
 
 
