@@ -684,7 +684,7 @@ def bench_mamba2_profile(args, device):
 # A short run on a CUDA machine that may have no network and a few minutes. The most valuable
 # figures come first, so a run cut short still has them:
 #   1. train_shakespeare.py --max-iters 300 with the CUDA defaults: Mamba, then the GPT yardstick
-#      (same data, windows, block, batch and steps): val loss, tokens/s, seconds, peak memory
+#      (same data, windows, block, batch, steps and schedule): val loss, tokens/s, seconds, peak memory
 #   2. the selective scan of one Mamba layer at d_model 1024 (ED = 2048), N = 16, L = 8192,
 #      batch 1, forward and forward+backward, the eager paths: the Python loop (8192 steps of a
 #      few kernel launches each), torch's associative_scan and pscan (a tree of log2(L) levels)
