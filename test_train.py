@@ -766,6 +766,10 @@ def test_dtype_sets_autocast_and_fp16_trains_with_a_loss_scaler(monkeypatch):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16 and scaler is None
     autocast, scaler = ts.precision(cpu, "fp16")
     assert isinstance(scaler, torch.amp.GradScaler) and scaler.get_scale() > 1
+    with monkeypatch.context() as m:  # a device without autocast: a clear error, not an fp32 run
+        m.setattr(torch.amp, "is_autocast_available", lambda device_type: False)
+        with pytest.raises(SystemExit, match="--dtype bf16 needs torch.autocast on cpu"):
+            ts.precision(cpu, "bf16")
     # one fp16 step with the scaler: the clipped gradients are the true ones, not the scaled ones
     monkeypatch.setattr(ts, "VOCAB_SIZE", 20)
     args = ts.parse_args(["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--grad-clip", "0.5"])

@@ -174,7 +174,7 @@ def precision(device, dtype):
         sys.exit(f"error: --dtype {dtype} needs torch.autocast on {device.type}, which this torch "
                  f"{torch.__version__} does not have; use --dtype fp32")
     autocast = torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
-    if not autocast._enabled:  # torch turned it off with a warning: this device has no such autocast
+    if not getattr(autocast, "_enabled", True):  # torch turned it off with a warning: no such autocast here
         sys.exit(f"error: --dtype {dtype}: torch {torch.__version__} has no {dtype} autocast on {device.type}; "
                  f"use --dtype fp32")
     return autocast, torch.amp.GradScaler(device.type) if dtype == "fp16" else None
