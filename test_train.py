@@ -597,6 +597,9 @@ def test_cuda_batches_are_pinned_and_copied_without_waiting(monkeypatch):
     assert calls == ["pin", ("cuda", {"non_blocking": True})] * 2
     assert torch.equal(x, torch.stack([torch.arange(3, 11), torch.arange(50, 58)]))
     assert torch.equal(y, x + 1)
+    if torch.cuda.is_available():  # and the real copy, where there is a GPU
+        x_gpu, y_gpu = ts.windows(torch.arange(100), torch.tensor([3, 50]), 8, torch.device("cuda"))
+        assert x_gpu.is_cuda and torch.equal(x_gpu.cpu(), x) and torch.equal(y_gpu.cpu(), y)
 
 
 # ------------------------------------------------------------------------------------------------
