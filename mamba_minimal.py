@@ -475,7 +475,8 @@ class MambaLM(nn.Module):
     def forward(self, input_ids, want_cache=False):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache."""
         _check_token_ids(input_ids)
-        _check_token_range(input_ids, self.cfg.vocab_size)
+        if want_cache or input_ids.device.type == "cpu":  # reading values off a GPU waits for it: see section 8
+            _check_token_range(input_ids, self.cfg.vocab_size)
         h = self.backbone.embedding(input_ids)  # (b, L, d_model)
         cache = []
         for layer in self.backbone.layers:
@@ -1028,8 +1029,10 @@ def load_weights(model, folder, device=None, dtype=None):
 # 8. Appendix: input checks
 # ------------------------------------------------------------------------------------------------
 # Bad input gets an error that names what was expected, before any work is done. None of these
-# checks reads a tensor's values except _check_token_range, which is kept off the per-token path
-# (on a GPU, reading a value waits for the device).
+# checks reads a tensor's values except _check_token_range: on a GPU, reading a value waits for
+# the device, so a training step would wait once per forward. It runs on CPU ids in forward and
+# step, and once per prompt (prefill, and so generate) on any device; off the CPU, an id out of
+# range in a plain forward stops the embedding with the device's own index error instead.
 
 def _is_positive_int(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
