@@ -104,17 +104,17 @@ def _in_compute_dtype(*tensors):
 
 
 def _without_autocast(fn):
-    """fn run with autocast off on its first argument's device. SSD casts its inputs to fp32 at
-    least (_in_compute_dtype), but autocast would run every matmul in bf16 or fp16 again: the
-    chunk states of ssd()'s step 2 would come out in half precision beside fp32 decays, and the
-    state would sum its terms with an 8-bit mantissa."""
+    """fn run with autocast off on the device of its first tensor argument (positional or
+    keyword). SSD casts its inputs to fp32 at least (_in_compute_dtype), but autocast would run
+    every matmul in bf16 or fp16 again: the chunk states of ssd()'s step 2 would come out in half
+    precision beside fp32 decays, and the state would sum its terms with an 8-bit mantissa."""
     @functools.wraps(fn)
-    def run(x, *args, **kwargs):
-        device = x.device.type if isinstance(x, torch.Tensor) else None
+    def run(*args, **kwargs):
+        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if device is None or not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
-            return fn(x, *args, **kwargs)
+            return fn(*args, **kwargs)
         with torch.autocast(device, enabled=False):
-            return fn(x, *args, **kwargs)
+            return fn(*args, **kwargs)
     return run
 
 
