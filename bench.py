@@ -6,6 +6,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py crossover     # forward only: from which width the loop beats pscan on a CPU
     python bench.py selective     # selective_scan: eager backends vs the fused chunked path
     python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
+    python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
@@ -473,6 +474,51 @@ def bench_train(args, device):
                         models, ids, vocab, args, device, autocast)
 
 
+def trainer_mamba(vocab, **kw):
+    """The trainer's default CPU Mamba (train_shakespeare.py: d_model 128, 7 layers, d_state 4)."""
+    torch.manual_seed(0)
+    return mm.MambaLM(mm.MambaConfig(**dict(dict(d_model=128, n_layer=7, vocab_size=vocab, d_state=4), **kw)))
+
+
+PROFILE_GROUPS = {  # op name -> what it is doing, for the summary row of bench_profile
+    "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "casts and copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"),
+}
+
+
+def bench_profile(args, device):
+    """Where the default Mamba's training step goes, op by op, beside the GPT yardstick's: torch.profiler's
+    CPU self time per step (forward, backward and AdamW together), the top ops and the matmul share."""
+    from torch.profiler import ProfilerActivity, profile
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    torch.manual_seed(0)
+    models = {"mamba (trainer's default)": trainer_mamba(vocab),
+              "GPT (yardstick)": TinyGPT(GPTConfig(vocab_size=vocab, d_model=128, block_size=block))}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, model in models.items():
+        step = training_step(model.to(device), ids, vocab)
+        for _ in range(3):
+            step()
+        with profile(activities=activities) as prof:
+            for _ in range(args.repeats):
+                step()
+            sync(device)
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in events)
+        per_step = lambda us: f"{us / args.repeats / 1e3:.2f}"
+        rows = [[e.key, per_step(e.self_cpu_time_total), f"{e.self_cpu_time_total / total:.0%}",
+                 f"{e.count / args.repeats:.0f}"] for e in events[:args.top]]
+        for group, keys in PROFILE_GROUPS.items():
+            us = sum(e.self_cpu_time_total for e in events if e.key in keys)
+            calls = sum(e.count for e in events if e.key in keys)
+            rows.append([f"({group})", per_step(us), f"{us / total:.0%}", f"{calls / args.repeats:.0f}"])
+        rows.append(["(all ops)", per_step(total), "100%", f"{sum(e.count for e in events) / args.repeats:.0f}"])
+        table(f"{name}: one training step under torch.profiler, batch {batch}, block {block}, CPU self time "
+              f"per step over {args.repeats} steps, the top {args.top} ops", ["op", "ms/step", "share", "calls/step"],
+              rows)
+
+
 # ------------------------------------------------------------------------------------------------
 # Generation: the cost of one more token
 # ------------------------------------------------------------------------------------------------
@@ -830,11 +876,12 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, generate, mamba2_ssd, mamba2_train, mamba2_profile, all; or gpu")
+                                           "train, profile, generate, mamba2_ssd, mamba2_train, mamba2_profile, all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke test)")
+    p.add_argument("--top", type=int, default=15, help="profile: how many ops to list")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
     g = p.add_argument_group("gpu (python bench.py gpu)")
@@ -851,7 +898,7 @@ def main():
         p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
-              "selective": bench_selective, "train": bench_train, "generate": bench_generate,
+              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "generate": bench_generate,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile}
     whats = args.what or ["scan"]
