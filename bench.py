@@ -7,6 +7,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py selective     # selective_scan: eager backends vs the fused chunked path
     python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
     python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
+    python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
@@ -456,19 +457,29 @@ def training_step_table(title, models, ids, vocab, args, device, autocast=None):
 
 
 def bench_train(args, device):
+    """The trainer's default Mamba (d_state 4, eager, backend "auto") against the GPT yardstick and
+    Mamba-2's default, with the alternatives beside it: d_state 16, each scan backend, the fused
+    path eager and compiled."""
+    import mamba2_minimal as m2
     d_model = 384 if device.type == "cuda" else 128
-    batch, block, vocab = 12, 64, 65
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
-    for name, kw in [("mamba sequential", dict(scan_backend="sequential")),
+    for name, kw in [("mamba default (d_state 4, auto)", {}),
+                     ("mamba d_state 16", dict(d_state=16)),
+                     ("mamba sequential", dict(scan_backend="sequential")),
                      ("mamba pscan", dict(scan_backend="pscan")),
-                     ("mamba chunked eager", dict(scan_backend="chunked")),
-                     ("mamba chunked compiled", dict(compile_scan=True)),
-                     ("mamba d_state 4 (trainer's CPU default)", dict(d_state=4))]:
-        torch.manual_seed(0)
-        models[name] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab, **kw)).to(device)
+                     ("mamba fused eager", dict(scan_backend="fused")),
+                     ("mamba fused compiled", dict(compile_scan=True)),
+                     ("mamba d_state 16, fused compiled", dict(d_state=16, compile_scan=True))]:
+        if args.quick and kw.get("compile_scan"):
+            continue
+        models[name] = trainer_mamba(vocab, d_model=d_model, **kw)
     torch.manual_seed(0)
-    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block)).to(device)
+    models["mamba2 default"] = m2.Mamba2LM(m2.Mamba2Config(
+        vocab_size=vocab, chunk_size=block, **MAMBA2_CPU_CANDIDATES["mamba2 128 x 7, headdim 64, d_state 64"]))
+    torch.manual_seed(0)
+    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}",
                         models, ids, vocab, args, device, autocast)
@@ -517,6 +528,69 @@ def bench_profile(args, device):
         table(f"{name}: one training step under torch.profiler, batch {batch}, block {block}, CPU self time "
               f"per step over {args.repeats} steps, the top {args.top} ops", ["op", "ms/step", "share", "calls/step"],
               rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# The race: equal wall-clock budgets, whole training runs
+# ------------------------------------------------------------------------------------------------
+# A step's cost is half of the story: Mamba learns more per step than the GPT. The fair comparison
+# trains both for the same time, each with its learning-rate schedule fitted to that time (the
+# trainer's --max-time), on the same data and the same evaluation windows, one run after the
+# other so that they share the machine's state, and repeats to show the spread.
+
+RACERS = {"GPT (yardstick)": ["--arch", "gpt"], "mamba (default)": []}
+
+
+def race_curve(log_path):
+    """[(elapsed s, val loss)] from a train_shakespeare.py log.jsonl, in order."""
+    with open(log_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(row["elapsed"], row["val_loss"]) for row in rows if "val_loss" in row]
+
+
+def race_summary(curves):
+    """curves: {racer: [curve per run]} -> (rows of val at each evaluation, rows of best val per
+    racer: mean, min, max), and the margin: the GPT's mean best val minus Mamba's."""
+    names = list(curves)
+    n_evals = min(len(c) for runs in curves.values() for c in runs)
+    curve_rows = []
+    for k in range(n_evals):
+        t = statistics.mean(c[k][0] for runs in curves.values() for c in runs)
+        vals = [statistics.mean(c[k][1] for c in curves[name]) for name in names]
+        curve_rows.append([f"{t:.0f}"] + [f"{v:.4f}" for v in vals] + [f"{vals[0] - vals[1]:+.4f}"])
+    best = {name: [min(v for _, v in c) for c in runs] for name, runs in curves.items()}
+    best_rows = [[name, f"{statistics.mean(b):.4f}", f"{min(b):.4f}", f"{max(b):.4f}", f"{max(b) - min(b):.4f}",
+                  " ".join(f"{v:.4f}" for v in b)] for name, b in best.items()]
+    margin = statistics.mean(best[names[0]]) - statistics.mean(best[names[1]])
+    return curve_rows, best_rows, margin, max(max(b) - min(b) for b in best.values())
+
+
+def bench_race(args, device):
+    """The GPT yardstick and the default Mamba, each trained by train_shakespeare.py for --max-time
+    seconds, one after the other, --runs times; their val curves at equal times, each one's best val
+    with its spread over the runs, and the margin between them."""
+    trainer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_shakespeare.py")
+    out_root = args.out_dir or os.path.join("out", "race")
+    curves = {name: [] for name in RACERS}
+    for run in range(args.runs):
+        for name, flags in RACERS.items():
+            out_dir = os.path.join(out_root, f"{'gpt' if 'GPT' in name else 'mamba'}-{run}")
+            if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+                os.remove(os.path.join(out_dir, "log.jsonl"))  # a fresh run, not an appended one
+            cmd = [sys.executable, trainer, "--max-time", str(args.max_time), "--out-dir", out_dir,
+                   "--device", str(device), "--no-sample"] + flags + (["--data", args.data] if args.data else [])
+            print(f"run {run + 1}/{args.runs}, {name}: {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            curves[name].append(race_curve(os.path.join(out_dir, "log.jsonl")))
+    curve_rows, best_rows, margin, spread = race_summary(curves)
+    names = list(RACERS)
+    table(f"val loss at each evaluation, mean of {args.runs} run(s) of {args.max_time:g} s each",
+          ["elapsed s"] + names + ["GPT - mamba"], curve_rows)
+    table("best val loss over each run", ["model", "mean", "min", "max", "spread", "runs"], best_rows)
+    verdict = "a tie: the margin is inside the spread" if abs(margin) <= spread else \
+        ("mamba ahead" if margin > 0 else "the GPT ahead")
+    print(f"\nmargin at equal time (GPT's mean best val - mamba's): {margin:+.4f}; largest spread over runs "
+          f"{spread:.4f}: {verdict}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -876,18 +950,22 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, profile, generate, mamba2_ssd, mamba2_train, mamba2_profile, all; or gpu")
+                                           "train, profile, race, generate, mamba2_ssd, mamba2_train, mamba2_profile, all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke test)")
     p.add_argument("--top", type=int, default=15, help="profile: how many ops to list")
+    r = p.add_argument_group("race (python bench.py race)")
+    r.add_argument("--max-time", type=float, default=300.0, help="seconds of training per run")
+    r.add_argument("--runs", type=int, default=2, help="runs of each model")
+    r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
     g = p.add_argument_group("gpu (python bench.py gpu)")
     g.add_argument("--tiny", action="store_true", help="dry run of `gpu` at a toy size on --device")
     g.add_argument("--train-iters", type=int, default=300, help="iterations of the training run")
-    g.add_argument("--data", help="text for the training run (default: the trainer's)")
+    g.add_argument("--data", help="text for the training runs of gpu and race (default: the trainer's)")
     args = p.parse_args()
     if args.memory_case:
         return memory_case(json.loads(args.memory_case))
@@ -898,12 +976,12 @@ def main():
         p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
-              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "generate": bench_generate,
+              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "generate": bench_generate,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile}
     whats = args.what or ["scan"]
     if whats == ["all"]:
-        whats = list(tables)
+        whats = [w for w in tables if w != "race"]  # the race trains for minutes: it runs on its own
     for what in whats:
         if what not in tables:
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")

@@ -581,15 +581,18 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 def _reverse_scan(dA, grad_h, grad_last, backend):
     """G_t = grad_h_t + dA_{t+1}·G_{t+1}, G_{L-1} = grad_h_{L-1} + grad_last: the recurrence of
     pscan.py run backwards in time by the forward's backend. dA, grad_h: (b, L, *rest); grad_last:
-    (b, *rest). Returns G (b, L, *rest); "sequential" overwrites grad_h with it."""
+    (b, *rest). Returns G (b, L, *rest), overwriting grad_h where the backend scans in place."""
+    G = grad_h  # (b, L, *rest)
     if backend == "sequential":  # pscan.scan_sequential's loop, walked from the end, in place
-        G = grad_h  # (b, L, *rest)
         G[:, -1] += grad_last
         for t in range(G.shape[1] - 2, -1, -1):
             G[:, t].addcmul_(dA[:, t + 1], G[:, t + 1])
         return G
-    # pscan.scan on the time-reversed sequence. The step after the last one is the identity
-    # (dA = 1), which lets grad_last enter as the start state.
+    if backend in ("pscan", "associative"):  # the Blelloch tree in reverse, in place, as pscan.py's
+        G[:, -1] += grad_last                # own backward of both runs it (its sections 5 and 8)
+        return pscan._blelloch_(G, dA[:, 1:], reverse=True)
+    # any other scan: pscan.scan on the time-reversed sequence. The step after the last one is the
+    # identity (dA = 1), which lets grad_last enter as the start state.
     dA_next = torch.cat([dA[:, 1:], torch.ones_like(dA[:, :1])], dim=1)  # (b, L, *rest)  dA_{t+1}
     return pscan.scan(dA_next.flip(1), grad_h.flip(1), grad_last, backend).flip(1)
 
@@ -605,7 +608,10 @@ class _SelectiveScan(torch.autograd.Function):
             A_transposed = A.t().contiguous()  # (N, ED); a strided one makes the broadcast 1.5x slower
             dA = torch.exp(delta.unsqueeze(-2) * A_transposed)  # (b, L, N, ED)  exp(Δ·A)
             dBx = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x
-            h = pscan.scan(dA, dBx, None if h0 is None else h0.transpose(1, 2), backend)  # (b, L, N, ED)
+            h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
+            if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
+                backend = pscan.choose_backend(dA, dBx, h_start)
+            h = pscan.scan(dA, dBx, h_start, backend)  # (b, L, N, ED)
             y = (C.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, ED)  C_t·h_t
         ctx.backend = backend
         ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y)  # the inputs, dA, h and y
