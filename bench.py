@@ -548,16 +548,25 @@ def race_curve(log_path):
     return [(row["elapsed"], row["val_loss"]) for row in rows if "val_loss" in row]
 
 
-def race_summary(curves):
-    """curves: {racer: [curve per run]} -> (rows of val at each evaluation, rows of best val per
-    racer: mean, min, max), and the margin: the GPT's mean best val minus Mamba's."""
+def race_summary(curves, budget):
+    """curves: {racer: [curve per run]} -> (rows of val loss at common times, rows of best val per
+    racer with its spread over the runs, the margin: the GPT's mean best val minus Mamba's, and the
+    largest spread). The trainer evaluates when its clock passes k/n of the budget (k = 1..n), a
+    little later for a slower step, so each curve is read at those n times: the latest evaluation
+    made before the next one was due."""
     names = list(curves)
-    n_evals = min(len(c) for runs in curves.values() for c in runs)
+    n = max(len(c) for runs in curves.values() for c in runs)
+
+    def val_at(curve, k):  # the last evaluation of slot k or earlier, None before the first
+        due = [v for t, v in curve if min(int(t * n / budget), n) <= k]
+        return due[-1] if due else None
+
     curve_rows = []
-    for k in range(n_evals):
-        t = statistics.mean(c[k][0] for runs in curves.values() for c in runs)
-        vals = [statistics.mean(c[k][1] for c in curves[name]) for name in names]
-        curve_rows.append([f"{t:.0f}"] + [f"{v:.4f}" for v in vals] + [f"{vals[0] - vals[1]:+.4f}"])
+    for k in range(1, n + 1):
+        vals = [[v for v in (val_at(c, k) for c in curves[name]) if v is not None] for name in names]
+        means = [statistics.mean(v) if v else None for v in vals]
+        margin = f"{means[0] - means[1]:+.4f}" if None not in means else ""
+        curve_rows.append([f"{budget * k / n:.0f}"] + [f"{m:.4f}" if m is not None else "" for m in means] + [margin])
     best = {name: [min(v for _, v in c) for c in runs] for name, runs in curves.items()}
     best_rows = [[name, f"{statistics.mean(b):.4f}", f"{min(b):.4f}", f"{max(b):.4f}", f"{max(b) - min(b):.4f}",
                   " ".join(f"{v:.4f}" for v in b)] for name, b in best.items()]
@@ -579,13 +588,14 @@ def bench_race(args, device):
                 os.remove(os.path.join(out_dir, "log.jsonl"))  # a fresh run, not an appended one
             cmd = [sys.executable, trainer, "--max-time", str(args.max_time), "--out-dir", out_dir,
                    "--device", str(device), "--no-sample"] + flags + (["--data", args.data] if args.data else [])
+            env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
             print(f"run {run + 1}/{args.runs}, {name}: {' '.join(cmd[1:])}", flush=True)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
             curves[name].append(race_curve(os.path.join(out_dir, "log.jsonl")))
-    curve_rows, best_rows, margin, spread = race_summary(curves)
+    curve_rows, best_rows, margin, spread = race_summary(curves, args.max_time)
     names = list(RACERS)
-    table(f"val loss at each evaluation, mean of {args.runs} run(s) of {args.max_time:g} s each",
-          ["elapsed s"] + names + ["GPT - mamba"], curve_rows)
+    table(f"val loss at equal times, mean of {args.runs} run(s) of {args.max_time:g} s each",
+          ["seconds"] + names + ["GPT - mamba"], curve_rows)
     table("best val loss over each run", ["model", "mean", "min", "max", "spread", "runs"], best_rows)
     verdict = "a tie: the margin is inside the spread" if abs(margin) <= spread else \
         ("mamba ahead" if margin > 0 else "the GPT ahead")
@@ -952,7 +962,7 @@ def main():
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
                                            "train, profile, race, generate, mamba2_ssd, mamba2_train, mamba2_profile, all; or gpu")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke test)")
     p.add_argument("--top", type=int, default=15, help="profile: how many ops to list")
@@ -969,7 +979,7 @@ def main():
     args = p.parse_args()
     if args.memory_case:
         return memory_case(json.loads(args.memory_case))
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or 1)
     if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses
         return bench_gpu(args)
     if "gpu" in args.what:
