@@ -65,7 +65,8 @@ def assert_matches_loop(args, tol, **kwargs):
     torch.testing.assert_close(h.double(), h_ref, rtol=tol, atol=tol, msg=f"{kwargs}: final state")
     names = [name for name, t in zip(NAMES, args) if t is not None]
     for name, got, want in zip(names, grads, grads_ref):
-        torch.testing.assert_close(got.double(), want, rtol=10 * tol, atol=10 * tol, msg=f"{kwargs}: gradient wrt {name}")
+        torch.testing.assert_close(got.double(), want, rtol=10 * tol, atol=10 * tol,
+                                   msg=f"{kwargs}: gradient wrt {name}")
 
 
 OPTIONAL = {"all": (), "no D, no z": ("D", "z"), "no h0": ("h0",), "no D, z, h0": ("D", "z", "h0")}
@@ -144,7 +145,8 @@ def test_a_gradient_penalty_differentiates_the_gradient():
     # create_graph=True, then a backward through the gradient: the pattern of a gradient penalty
     x, delta, A, B, C, D, z, h0 = inputs()
     grads = {}
-    for name, scan in (("fast", lambda *a: mm.selective_scan(*a, backend="sequential")), ("loop", lambda *a: loop_scan(*a)[0])):
+    scans = {"fast": lambda *a: mm.selective_scan(*a, backend="sequential"), "loop": lambda *a: loop_scan(*a)[0]}
+    for name, scan in scans.items():
         xg = x.clone().requires_grad_()
         (g,) = torch.autograd.grad(scan(xg, delta, A, B, C, D, z, h0).sin().sum(), xg, create_graph=True)
         (grads[name],) = torch.autograd.grad(g.pow(2).sum(), xg)
