@@ -5,7 +5,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py depth         # work and depth of each scan, counted, beside its CPU time
     python bench.py crossover     # forward only: from which width the loop beats pscan on a CPU
     python bench.py selective     # selective_scan: eager backends vs the fused chunked path
-    python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
+    python bench.py train         # one training step: the default Mamba, its alternatives, Mamba-2, the same-size GPT
     python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
     python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
     python bench.py generate      # cost per generated token at position 16 vs 4096
