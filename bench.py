@@ -5,7 +5,9 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py depth         # work and depth of each scan, counted, beside its CPU time
     python bench.py crossover     # forward only: from which width the loop beats pscan on a CPU
     python bench.py selective     # selective_scan: eager backends vs the fused chunked path
-    python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
+    python bench.py train         # one training step: the default Mamba, its alternatives, Mamba-2, the same-size GPT
+    python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
+    python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
@@ -479,22 +481,150 @@ def training_step_table(title, models, ids, vocab, args, device, autocast=None):
 
 
 def bench_train(args, device):
+    """The trainer's default Mamba (d_state 4, eager, backend "auto") against the GPT yardstick and
+    Mamba-2's default, with the alternatives beside it: d_state 16, each scan backend, the fused
+    path eager and compiled."""
+    import mamba2_minimal as m2
     d_model = 384 if device.type == "cuda" else 128
-    batch, block, vocab = 12, 64, 65
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
-    for name, kw in [("mamba sequential", dict(scan_backend="sequential")),
+    for name, kw in [("mamba default (d_state 4, auto)", {}),
+                     ("mamba d_state 16", dict(d_state=16)),
+                     ("mamba sequential", dict(scan_backend="sequential")),
                      ("mamba pscan", dict(scan_backend="pscan")),
-                     ("mamba chunked eager", dict(scan_backend="chunked")),
-                     ("mamba chunked compiled", dict(compile_scan=True)),
-                     ("mamba d_state 4 (trainer's CPU default)", dict(d_state=4))]:
-        torch.manual_seed(0)
-        models[name] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab, **kw)).to(device)
+                     ("mamba fused eager", dict(scan_backend="fused")),
+                     ("mamba fused compiled", dict(compile_scan=True)),
+                     ("mamba d_state 16, fused compiled", dict(d_state=16, compile_scan=True))]:
+        if args.quick and kw.get("compile_scan"):
+            continue
+        models[name] = trainer_mamba(vocab, d_model=d_model, **kw)
     torch.manual_seed(0)
-    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block)).to(device)
+    models["mamba2 default"] = m2.Mamba2LM(m2.Mamba2Config(
+        vocab_size=vocab, chunk_size=block, **MAMBA2_CPU_CANDIDATES["mamba2 128 x 7, headdim 64, d_state 64"]))
+    torch.manual_seed(0)
+    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}",
                         models, ids, vocab, args, device, autocast)
+
+
+def trainer_mamba(vocab, **kw):
+    """The trainer's default CPU Mamba (train_shakespeare.py: d_model 128, 7 layers, d_state 4)."""
+    torch.manual_seed(0)
+    return mm.MambaLM(mm.MambaConfig(**dict(dict(d_model=128, n_layer=7, vocab_size=vocab, d_state=4), **kw)))
+
+
+PROFILE_GROUPS = {  # op name -> what it is doing, for the summary row of bench_profile
+    "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "casts and copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"),
+}
+
+
+def bench_profile(args, device):
+    """Where the default Mamba's training step goes, op by op, beside the GPT yardstick's: torch.profiler's
+    CPU self time per step (forward, backward and AdamW together), the top ops and the matmul share."""
+    from torch.profiler import ProfilerActivity, profile
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    torch.manual_seed(0)
+    models = {"mamba (trainer's default)": trainer_mamba(vocab),
+              "GPT (yardstick)": TinyGPT(GPTConfig(vocab_size=vocab, d_model=128, block_size=block))}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, model in models.items():
+        step = training_step(model.to(device), ids, vocab)
+        for _ in range(3):
+            step()
+        with profile(activities=activities) as prof:
+            for _ in range(args.repeats):
+                step()
+            sync(device)
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in events)
+        per_step = lambda us: f"{us / args.repeats / 1e3:.2f}"
+        rows = [[e.key, per_step(e.self_cpu_time_total), f"{e.self_cpu_time_total / total:.0%}",
+                 f"{e.count / args.repeats:.0f}"] for e in events[:args.top]]
+        for group, keys in PROFILE_GROUPS.items():
+            us = sum(e.self_cpu_time_total for e in events if e.key in keys)
+            calls = sum(e.count for e in events if e.key in keys)
+            rows.append([f"({group})", per_step(us), f"{us / total:.0%}", f"{calls / args.repeats:.0f}"])
+        rows.append(["(all ops)", per_step(total), "100%", f"{sum(e.count for e in events) / args.repeats:.0f}"])
+        table(f"{name}: one training step under torch.profiler, batch {batch}, block {block}, CPU self time "
+              f"per step over {args.repeats} steps, the top {args.top} ops", ["op", "ms/step", "share", "calls/step"],
+              rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# The race: equal wall-clock budgets, whole training runs
+# ------------------------------------------------------------------------------------------------
+# A step's cost is half of the story: Mamba learns more per step than the GPT. The fair comparison
+# trains both for the same time, each with its learning-rate schedule fitted to that time (the
+# trainer's --max-time), on the same data and the same evaluation windows, one run after the
+# other so that they share the machine's state, and repeats to show the spread.
+
+RACERS = {"GPT (yardstick)": ["--arch", "gpt"], "mamba (default)": []}
+
+
+def race_curve(log_path):
+    """[(elapsed s, val loss)] from a train_shakespeare.py log.jsonl, in order."""
+    with open(log_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(row["elapsed"], row["val_loss"]) for row in rows if "val_loss" in row]
+
+
+def race_summary(curves, budget):
+    """curves: {racer: [curve per run]} -> (rows of val loss at common times, rows of best val per
+    racer with its spread over the runs, the margin: the GPT's mean best val minus Mamba's, and the
+    largest spread). The trainer evaluates when its clock passes k/n of the budget (k = 1..n), a
+    little later for a slower step, so each curve is read at those n times: the latest evaluation
+    made before the next one was due."""
+    names = list(curves)
+    n = max(len(c) for runs in curves.values() for c in runs)
+
+    def val_at(curve, k):  # the last evaluation of slot k or earlier, None before the first
+        due = [v for t, v in curve if min(int(t * n / budget), n) <= k]
+        return due[-1] if due else None
+
+    curve_rows = []
+    for k in range(1, n + 1):
+        vals = [[v for v in (val_at(c, k) for c in curves[name]) if v is not None] for name in names]
+        means = [statistics.mean(v) if v else None for v in vals]
+        margin = f"{means[0] - means[1]:+.4f}" if None not in means else ""
+        curve_rows.append([f"{budget * k / n:.0f}"] + [f"{m:.4f}" if m is not None else "" for m in means] + [margin])
+    best = {name: [min(v for _, v in c) for c in runs] for name, runs in curves.items()}
+    best_rows = [[name, f"{statistics.mean(b):.4f}", f"{min(b):.4f}", f"{max(b):.4f}", f"{max(b) - min(b):.4f}",
+                  " ".join(f"{v:.4f}" for v in b)] for name, b in best.items()]
+    margin = statistics.mean(best[names[0]]) - statistics.mean(best[names[1]])
+    return curve_rows, best_rows, margin, max(max(b) - min(b) for b in best.values())
+
+
+def bench_race(args, device):
+    """The GPT yardstick and the default Mamba, each trained by train_shakespeare.py for --max-time
+    seconds, one after the other, --runs times; their val curves at equal times, each one's best val
+    with its spread over the runs, and the margin between them."""
+    trainer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_shakespeare.py")
+    out_root = args.out_dir or os.path.join("out", "race")
+    curves = {name: [] for name in RACERS}
+    for run in range(args.runs):
+        for name, flags in RACERS.items():
+            out_dir = os.path.join(out_root, f"{'gpt' if 'GPT' in name else 'mamba'}-{run}")
+            if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+                os.remove(os.path.join(out_dir, "log.jsonl"))  # a fresh run, not an appended one
+            cmd = [sys.executable, trainer, "--max-time", str(args.max_time), "--out-dir", out_dir,
+                   "--device", str(device), "--no-sample"] + flags + (["--data", args.data] if args.data else [])
+            env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+            print(f"run {run + 1}/{args.runs}, {name}: {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+            curves[name].append(race_curve(os.path.join(out_dir, "log.jsonl")))
+    curve_rows, best_rows, margin, spread = race_summary(curves, args.max_time)
+    names = list(RACERS)
+    table(f"val loss at equal times, mean of {args.runs} run(s) of {args.max_time:g} s each",
+          ["seconds"] + names + ["GPT - mamba"], curve_rows)
+    table("best val loss over each run", ["model", "mean", "min", "max", "spread", "runs"], best_rows)
+    verdict = "a tie: the margin is inside the spread" if abs(margin) <= spread else \
+        ("mamba ahead" if margin > 0 else "the GPT ahead")
+    print(f"\nmargin at equal time (GPT's mean best val - mamba's): {margin:+.4f}; largest spread over runs "
+          f"{spread:.4f}: {verdict}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -995,19 +1125,26 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, all; or gpu")
+                                           "train, profile, race, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, "
+                                           "all; or gpu")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke test)")
+    p.add_argument("--top", type=int, default=15, help="profile: how many ops to list")
+    r = p.add_argument_group("race (python bench.py race)")
+    r.add_argument("--max-time", type=float, default=300.0, help="seconds of training per run")
+    r.add_argument("--runs", type=int, default=2, help="runs of each model")
+    r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
     g = p.add_argument_group("gpu (python bench.py gpu)")
     g.add_argument("--tiny", action="store_true",
                    help="dry run of `gpu` on the CPU: the same parts in the same order at a toy size")
     g.add_argument("--train-iters", type=int, default=300, help="iterations of each training run")
-    g.add_argument("--data", help="the text to train on (default: the trainer's data/tinyshakespeare.txt, "
-                                  "downloaded if missing; a machine without network needs the file or this flag)")
+    g.add_argument("--data", help="the text to train on, for gpu and race (default: the trainer's "
+                                  "data/tinyshakespeare.txt, downloaded if missing; a machine without network "
+                                  "needs the file or this flag)")
     g.add_argument("--budget", type=float, default=GPU_BUDGET_S,
                    help="seconds for the whole command, compiling included (default %(default)s)")
     g.add_argument("--gpu-part", help=argparse.SUPPRESS)
@@ -1016,19 +1153,19 @@ def main():
         return memory_case(json.loads(args.memory_case))
     if args.gpu_part:
         return gpu_table_part(args, args.gpu_part)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or 1)
     if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses
         return bench_gpu(args)
     if "gpu" in args.what:
         p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
-              "selective": bench_selective, "train": bench_train, "generate": bench_generate,
+              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "generate": bench_generate,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3}
     whats = args.what or ["scan"]
     if whats == ["all"]:
-        whats = list(tables)
+        whats = [w for w in tables if w != "race"]  # the race trains for minutes: it runs on its own
     for what in whats:
         if what not in tables:
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")
