@@ -562,7 +562,12 @@ def bench_profile(args, device):
 # trainer's --max-time), on the same data and the same evaluation windows, one run after the
 # other so that they share the machine's state, and repeats to show the spread.
 
-RACERS = {"GPT (yardstick)": ["--arch", "gpt"], "mamba (default)": []}
+RACERS = {  # --racers names: (row label, the trainer's flags); each runs with its own defaults
+    "gpt": ("GPT (yardstick)", ["--arch", "gpt"]),
+    "mamba": ("mamba (default)", []),
+    "mamba2": ("mamba2 (default)", ["--arch", "mamba2"]),
+    "mamba3": ("mamba3 (default)", ["--arch", "mamba3"]),
+}
 
 
 def race_curve(log_path):
@@ -599,32 +604,56 @@ def race_summary(curves, budget):
 
 
 def bench_race(args, device):
-    """The GPT yardstick and the default Mamba, each trained by train_shakespeare.py for --max-time
-    seconds, one after the other, --runs times; their val curves at equal times, each one's best val
-    with its spread over the runs, and the margin between them."""
+    """The GPT yardstick and the default Mamba (or the models --racers names), each trained by
+    train_shakespeare.py for --max-time seconds, --runs times; their val curves at equal times, each
+    one's best val with its spread over the runs, and the margin between the first two. One after
+    the other by default; with --together the models of a run train at the same time, one thread
+    each unless --threads says otherwise, so that a busy machine slows them alike."""
+    names = args.racers.split(",")
+    if len(names) < 2 or any(n not in RACERS for n in names):
+        raise SystemExit(f"--racers takes two or more of {', '.join(RACERS)}, got {args.racers!r}")
     trainer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_shakespeare.py")
     out_root = args.out_dir or os.path.join("out", "race")
-    curves = {name: [] for name in RACERS}
+    threads = args.threads or (1 if args.together else None)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    curves = {RACERS[n][0]: [] for n in names}
+    speed = {RACERS[n][0]: [] for n in names}
     for run in range(args.runs):
-        for name, flags in RACERS.items():
-            out_dir = os.path.join(out_root, f"{'gpt' if 'GPT' in name else 'mamba'}-{run}")
+        started = []
+        for name in names:
+            label, flags = RACERS[name]
+            out_dir = os.path.join(out_root, f"{name}-{run}")
             if os.path.exists(os.path.join(out_dir, "log.jsonl")):
                 os.remove(os.path.join(out_dir, "log.jsonl"))  # a fresh run, not an appended one
             cmd = [sys.executable, trainer, "--max-time", str(args.max_time), "--out-dir", out_dir,
                    "--device", str(device), "--no-sample"] + flags + (["--data", args.data] if args.data else [])
-            env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
-            print(f"run {run + 1}/{args.runs}, {name}: {' '.join(cmd[1:])}", flush=True)
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
-            curves[name].append(race_curve(os.path.join(out_dir, "log.jsonl")))
+            print(f"run {run + 1}/{args.runs}, {label}: {' '.join(cmd[1:])}", flush=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
+            started.append((label, out_dir, proc))
+            if not args.together:
+                proc.wait()
+        for label, out_dir, proc in started:
+            if proc.wait() != 0:
+                raise SystemExit(f"{label}'s run failed (exit {proc.returncode}); see {out_dir}")
+            log_path = os.path.join(out_dir, "log.jsonl")
+            curves[label].append(race_curve(log_path))
+            with open(log_path) as f:
+                last = [json.loads(line) for line in f if line.strip() and '"step"' in line][-1]
+            speed[label].append((last["step"], last["elapsed"] / last["step"] * 1e3))
     curve_rows, best_rows, margin, spread = race_summary(curves, args.max_time)
-    names = list(RACERS)
-    table(f"val loss at equal times, mean of {args.runs} run(s) of {args.max_time:g} s each",
-          ["seconds"] + names + ["GPT - mamba"], curve_rows)
+    labels = list(curves)
+    how = "at the same time" if args.together else "one after the other"
+    table(f"val loss at equal times, mean of {args.runs} run(s) of {args.max_time:g} s each, {how}"
+          f"{f', {threads} thread(s) each' if threads else ''}",
+          ["seconds"] + labels + [f"{labels[0]} - {labels[1]}"], curve_rows)
     table("best val loss over each run", ["model", "mean", "min", "max", "spread", "runs"], best_rows)
+    table("steps in the budget, and ms per step (evaluations included)", ["model", "steps", "ms/step"],
+          [[label, " ".join(str(n) for n, _ in runs), " ".join(f"{ms:.0f}" for _, ms in runs)]
+           for label, runs in speed.items()])
     verdict = "a tie: the margin is inside the spread" if abs(margin) <= spread else \
-        ("mamba ahead" if margin > 0 else "the GPT ahead")
-    print(f"\nmargin at equal time (GPT's mean best val - mamba's): {margin:+.4f}; largest spread over runs "
-          f"{spread:.4f}: {verdict}")
+        (f"{labels[1]} ahead" if margin > 0 else f"{labels[0]} ahead")
+    print(f"\nmargin at equal time ({labels[0]}'s mean best val - {labels[1]}'s): {margin:+.4f}; largest "
+          f"spread over runs {spread:.4f}: {verdict}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1136,6 +1165,10 @@ def main():
     r.add_argument("--max-time", type=float, default=300.0, help="seconds of training per run")
     r.add_argument("--runs", type=int, default=2, help="runs of each model")
     r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
+    r.add_argument("--racers", default="gpt,mamba",
+                   help="comma-separated: gpt, mamba, mamba2, mamba3 (default gpt,mamba; the margin is first - second)")
+    r.add_argument("--together", action="store_true",
+                   help="train a run's models at the same time, one thread each (default: one after the other)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
     g = p.add_argument_group("gpu (python bench.py gpu)")
