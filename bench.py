@@ -23,7 +23,7 @@ data/tinyshakespeare.txt, which the trainer otherwise downloads).
 
 Every table is measured in one process with the candidates interleaved (round-robin, median of
 the repeats), so a noisy machine slows them all alike and the ratios stay meaningful. One thread
-by default (--threads), as on the machine the README's numbers come from.
+by default (--threads).
 Peak memory is read from /proc/self/status (VmHWM after resetting it with /proc/self/clear_refs),
 one subprocess per case, so it is Linux only.
 """
@@ -1204,7 +1204,7 @@ def main():
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")
     if len(whats) > 1:
         # one fresh process per table: the eager backends' speed depends on the allocator's state
-        # (see the README), which an earlier table would otherwise leave behind
+        # (the heap's mapped pages), which an earlier table would otherwise leave behind
         flags = [a for a in sys.argv[1:] if a not in tables and a != "all"]
         for what in whats:
             sys.stdout.flush()

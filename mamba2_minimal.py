@@ -56,15 +56,17 @@ from mamba_minimal import RMSNorm, _at_least_fp32
 # ------------------------------------------------------------------------------------------------
 # Mamba-1's state is (ED, N) per token, with a decay exp(Δ·A) for each of the ED·N entries.
 # Mamba-2 groups the channels into heads of P channels and gives each head ONE scalar A_h (A is
-# a scalar times the identity, paper section 5.1) and one Δ per token. With the Euler step for B,
-# as in Mamba-1, one head runs
+# a scalar times the identity, paper section 5.1) and one Δ per token. With Mamba-1's first-order
+# term Δ·B for B̄ (exponential-Euler, as mamba3_minimal.py section 2 names it), one head runs
 #
 #     h_t = exp(Δ_t·A_h)·h_{t-1} + Δ_t·x_t·B_tᵀ          h: (P, N), x_t: (P,), B_t: (N,)
 #     y_t = h_t·C_t + D_h·x_t                             y_t: (P,)
 #
 # The decay is now a single number per head and step: that is what section 2 exploits. B and C
 # are computed per token from the input, and G groups of them are shared by the H/G heads of
-# each group (head j uses group j // (H/G)), like the key/value groups of grouped-query attention.
+# each group (head j uses group j // (H/G)): the paper's grouped-value attention (§7.2), where a
+# group's heads share its queries C and keys B and each head has its own values x (grouped-query
+# attention shares keys and values instead).
 
 def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
     """Raise ValueError naming what was expected."""

@@ -4,7 +4,7 @@ in plain PyTorch, with the parameter names of the official module (mamba_ssm/mod
 class Mamba3), so that its state_dict loads strictly.
 
 Mamba-2 (mamba2_minimal.py) gave each head one decay per token and wrote x_t·B_tᵀ into the
-state with a first-order (Euler) weight Δ_t. Mamba-3 changes three things, each a lesson of
+state with the first-order (exponential-Euler) weight Δ_t (section 2). Mamba-3 changes three things, each a lesson of
 the earlier files taken one step further:
 
   - exponential-trapezoidal discretization: the input enters the state through a trapezoid over
@@ -226,9 +226,10 @@ def scalar_ode_step(rule, h, A, dt, u_prev, u_now, lam=0.5):
 # their own φ_s and read with queries rotated by φ_t: RoPE, except that the angles are not the
 # positions times fixed frequencies but a running sum of data-dependent increments Δ_s·θ_s. The
 # state stays real and no complex arithmetic runs. The angle itself is the fourth part of the
-# recurrent state; only its value mod 2π matters to cos and sin, and keeping it in [0, 2π) keeps
-# its rounding error at an fp32 ulp of 2π (5e-7) however long the generation, where a raw sum
-# would grow like L·π and lose digits (an fp32 ulp is 5e-4 at 5000).
+# recurrent state; only its value mod 2π matters to cos and sin, and keeping it in [0, 2π) bounds
+# each step's rounding at half an fp32 ulp of 2π (2.4e-7), where a raw sum's grows with its size
+# (an fp32 ulp is 5e-4 at 5000). The steps' errors still add up, to about 1e-3 rad after 65,536
+# tokens in fp32.
 #
 # Which entries pair up is a convention of the official kernels: the SISO path rotates adjacent
 # entries (2j, 2j + 1), the MIMO path entries j and j + N/2 (their `rotate_pairwise` flag). Only
@@ -275,8 +276,8 @@ def rotate(t, angle, pairing="adjacent"):
 #
 # Across chunks, what is carried is not h at a chunk's end e but g_e = h_e + σ_{e+1}·v_e·k_eᵀ:
 # the last token's contribution that step e+1 will add, before α_{e+1} (which the carried state
-# gets like every decay). Then chunk c's end value is g_c = exp(a over chunk c)·g_{c-1} + S_c,
-# S_c = Σ_s exp(a_{s+1} + ... + a_end)·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
+# gets like every decay). Then chunk c's end value is g_c = exp(a over chunk c)·g_{c-1} + E_c,
+# E_c = Σ_s exp(a_{s+1} + ... + a_end)·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
 # and y_t gains exp(a_1 + ... + a_t)·g_{c-1}·q_t. An initial state enters as
 # g_{-1} = h0 + σ_0·v_prev·k_prevᵀ. At the sequence end there is no next token, σ_L = 0, so
 # the last g is the final h exactly. Any L: the last chunk is padded with identity steps
@@ -306,11 +307,12 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
         q, k, v, dt, adt, lam, theta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
                                         for t in (q, k, v, dt, adt, lam, theta))
 
-    # the accumulated angles: a cumsum inside each chunk, plus each chunk's start kept in [0, 2π)
-    # (the starts are one cumsum over chunks, whose rounding grows with L/T rather than L)
+    # the accumulated angles: a cumsum inside each chunk, plus each chunk's start; the starts sum
+    # the earlier chunks' turns, each reduced mod 2π first, so that no sum grows with L
     turn = (dt[..., None] * theta).unflatten(1, (n_chunks, T))  # (b, c, T, H, S)  Δ·θ per token
     within = turn.cumsum(2)  # (b, c, T, H, S)
-    starts = within[:, :, -1].cumsum(1) - within[:, :, -1]  # (b, c, H, S)  sum over earlier chunks
+    chunk_turns = torch.remainder(within[:, :, -1], TWO_PI)  # (b, c, H, S)
+    starts = F.pad(chunk_turns.cumsum(1), (0, 0, 0, 0, 1, 0))[:, :-1]  # (b, c, H, S)  earlier chunks
     if state is not None:
         starts = starts + state[0].to(starts.dtype).unsqueeze(1)
     angle = torch.remainder(within + torch.remainder(starts, TWO_PI).unsqueeze(2), TWO_PI)  # (b, c, T, H, S)

@@ -571,7 +571,7 @@ def scan_associative(a, b, h0=None):
 # `python bench.py scan` on a 2-core Intel Xeon with AVX-512), because the loop's autograd graph
 # records L small steps. Forward only, the loop reads each input once and catches up as a step
 # gets wider, on one thread only: `python bench.py crossover` (L = 1024) on that CPU found, with
-# one thread, the two level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x at 16384,
+# one thread, the loop and pscan level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x at 16384,
 # 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every width, so
 # the loop is chosen only where torch runs one thread. On a GPU the loop would pay a kernel
 # launch for every step, so the tree is expected to win there (not measured by this project).
