@@ -67,9 +67,12 @@ ARCH_DEFAULTS = {
     # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls. Heads of 64 channels:
     # the fastest 0.83M candidate on a CPU (python bench.py mamba2_train), as in the official models
     "mamba2": {"cpu": dict(d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick: nanoGPT's README CPU run (config/train_shakespeare_char.py with a 4-layer,
-    # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its
-    # dropout); iteration-based, as nanoGPT's schedule is. It has no SSM state and no scan.
+    # The yardstick (gpt_minimal.py), iteration-based as nanoGPT's schedule is. On a CPU: nanoGPT's
+    # README CPU run, config/train_shakespeare_char.py (lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100)
+    # with --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --batch_size=12 --eval_iters=20
+    # --dropout=0.0, but 3000 steps of cosine decay where the README runs --max_iters=2000
+    # --lr_decay_iters=2000 (the 3000 are ours). On a GPU: that config's "baby GPT" as it stands,
+    # except its dropout 0.2 (ours: none) and its 200 eval batches (ours: 40).
     "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         max_iters=3000, lr_decay_iters=3000, max_time=None, d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
@@ -91,7 +94,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1337)
     m = p.add_argument_group("model (defaults depend on the device and the architecture)")
     m.add_argument("--arch", choices=["mamba", "mamba2", "gpt"],
-                   help="mamba (default), mamba2 (SSD, mamba2_minimal.py) or gpt (the yardstick in bench.py); "
+                   help="mamba (default), mamba2 (SSD, mamba2_minimal.py) or gpt (the yardstick, gpt_minimal.py); "
                         "--resume and --sample read it from the checkpoint")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
@@ -363,7 +366,7 @@ def windows(split, starts, block_size, device):
 
 
 # ------------------------------------------------------------------------------------------------
-# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), the GPT yardstick (bench.py)
+# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), the GPT yardstick (gpt_minimal.py)
 # ------------------------------------------------------------------------------------------------
 
 def arch_classes(arch):
@@ -374,7 +377,7 @@ def arch_classes(arch):
         if arch == "mamba2":
             from mamba2_minimal import Mamba2Config, Mamba2LM
             return Mamba2Config, Mamba2LM
-        from bench import GPTConfig, TinyGPT
+        from gpt_minimal import GPTConfig, TinyGPT
         return GPTConfig, TinyGPT
     except ImportError as err:
         sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
