@@ -148,6 +148,15 @@ def step(self, *a, **k):
     return out
 
 ts.loss_fn, torch.optim.AdamW.step = loss_fn, step
+if os.environ.get("PROBE_CLOCK_RATES"):  # a fake clock per process, each at its own rate
+    rate = float(os.environ["PROBE_CLOCK_RATES"].split(",")[int(os.environ["RANK"])])
+    now = [1000.0]
+
+    def clock():
+        now[0] += rate
+        return now[0]
+
+    ts.clock = clock
 ts.main(sys.argv[1:])
 with open(os.path.join(os.environ["PROBE_OUT"], f"rank{{ts.RANK}}.json"), "w") as f:
     json.dump({{"losses": losses, "weights": weights}}, f)
@@ -185,6 +194,26 @@ def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file
     x, y, _ = val_windows(text_file, block=16)
     assert evals(out_dir)[-1]["full_val_loss"] == pytest.approx(
         checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab), abs=1e-5)
+
+
+def test_a_two_process_time_based_run_follows_the_first_processs_clock(text_file, tmp_path):
+    # process 0's clock reads 1 s per step, process 1's 1.25 s: on its own clock process 1 would
+    # reach the eval point at 4 s at step 4 and the one at 6 s at step 5, and so enter an
+    # evaluation's all_reduce while process 0 enters the next step's gradient all_reduce
+    out_dir = str(tmp_path / "ddp")
+    probe = tmp_path / "probe.py"
+    probe.write_text(DDP_PROBE.format(here=HERE))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(probe), "--data", text_file, "--out-dir", out_dir,
+           "--device", "cpu", "--max-time", "10", "--num-evals", "5"] + TINY
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path), PROBE_CLOCK_RATES="1.0,1.25")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(r["step"], r["elapsed"]) for r in evals(out_dir) if "val_loss" in r] == \
+        [(2, 2), (4, 4), (6, 6), (8, 8), (10, 10)]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(r0["weights"]) == len(r1["weights"]) == 10  # both stop where process 0's clock says
+    assert r0["weights"] == r1["weights"]
 
 
 MAMBA2_TINY = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")

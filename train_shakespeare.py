@@ -445,6 +445,13 @@ def mean_loss(model, split, starts, args, device, autocast):
     return (total[0] / total[1]).item()
 
 
+def rank0_value(x, device):
+    """The float x as process 0 holds it, in every process."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return t.item()
+
+
 def mean_over_processes(loss):
     """The training loss averaged over all processes (each saw its own batch), as a float."""
     loss = loss.detach().float()
@@ -689,6 +696,11 @@ class Run:
             p.tokens += tokens_per_step
             now = clock()  # the only clock reading of the step
             p.elapsed = elapsed_before + now - t_start
+            if args.max_time is not None and WORLD > 1:
+                # the processes' clocks differ by milliseconds: each deciding on its own clock whether
+                # an eval point or the end has passed would, near one, send them into different
+                # collectives. Rank 0's clock decides for all
+                p.elapsed = rank0_value(p.elapsed, self.device)
             first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
             if p.step % args.log_interval == 0 or first_step:
                 loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
