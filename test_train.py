@@ -352,6 +352,60 @@ def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monk
     assert evals(broken) == evals(straight)  # the fake clock makes even "elapsed" equal
 
 
+def test_resume_takes_the_flags_saved_in_last_pt(text_file, tmp_path, capsys, monkeypatch):
+    model = ["--d-model", "16", "--n-layer", "1", "--d-state", "4"]
+    flags = ["--max-iters", "20", "--eval-interval", "5", "--block-size", "12", "--batch-size", "6", "--seed", "7",
+             "--lr", "0.02", "--warmup-iters", "3", "--eval-iters", "2", "--patience", "9", "--no-sample"]
+    straight = str(tmp_path / "straight")
+    run(["--data", text_file, "--out-dir", straight] + model + flags, capsys)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(["--data", text_file, "--out-dir", broken] + model + flags, capsys)
+    fake_clock(monkeypatch, 100.0)  # a run that fell back to the (time-based) defaults would end at once
+    out = run(["--out-dir", broken, "--resume"], capsys)  # no other flag: all from last.pt, --data too
+    assert "at step 10" in out and "note: resuming with" not in out
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+    # a flag given again applies, with a note; the decay length, derived from --max-iters, follows it
+    out = run(["--out-dir", broken, "--resume", "--max-iters", "25"], capsys)
+    assert "note: resuming with --max-iters 25 (was 20)" in out
+    last = torch.load(os.path.join(broken, "last.pt"), weights_only=True)
+    assert (last["step"], last["args"]["lr_decay_iters"], last["args"]["batch_size"]) == (25, 25, 6)
+    with pytest.raises(SystemExit, match="is an iteration-based run; it cannot resume as the other kind"):
+        ts.main(["--out-dir", broken, "--resume", "--max-time", "60"])
+
+
+def test_a_time_based_run_resumes_on_its_own_budget(text_file, tmp_path, capsys, monkeypatch):
+    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TINY
+    fake_clock(monkeypatch, 1.0)
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 6)
+        with pytest.raises(KeyboardInterrupt):
+            run(common + ["--out-dir", broken], capsys)
+    fake_clock(monkeypatch, 1.0)
+    out = run(["--out-dir", broken, "--resume"], capsys)  # not the 300 s default budget
+    assert "at step 4" in out
+    assert evals(broken) == evals(straight)
+    with pytest.raises(SystemExit, match="is a time-based run; it cannot resume as the other kind"):
+        ts.main(["--out-dir", broken, "--resume", "--max-iters", "30"])
+
+
+def test_a_last_pt_without_the_progress_counters_is_a_clear_error(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    path = os.path.join(out_dir, "last.pt")
+    ckpt = torch.load(path, weights_only=True)
+    for key in ("bad_evals", "evals_done", "stopped_early"):  # as written before --patience was saved
+        del ckpt[key]
+    torch.save(ckpt, path)
+    with pytest.raises(SystemExit, match=r"lacks \['bad_evals', 'evals_done'\].*cannot continue the run exactly"):
+        ts.main(["--out-dir", out_dir, "--resume", "--max-iters", "4"])
+
+
 # ------------------------------------------------------------------------------------------------
 # Independent oracles: the split and the evaluation windows rebuilt here from the text
 # ------------------------------------------------------------------------------------------------
@@ -437,6 +491,24 @@ def test_resume_after_a_kill_gives_the_same_log_and_the_same_early_stop(text_fil
     for name in ("best.pt", "last.pt"):
         assert checkpoint_loss(os.path.join(broken, name), x, y, vocab) == \
             checkpoint_loss(os.path.join(straight, name), x, y, vocab), name
+
+
+def test_a_run_that_stopped_early_stays_stopped_on_resume(text_file, tmp_path, capsys, monkeypatch):
+    straight = str(tmp_path / "straight")
+    wobbly_run(text_file, straight, capsys)
+    assert torch.load(os.path.join(straight, "last.pt"), weights_only=True)["step"] == 21  # stopped early
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:  # killed after the early stop, before the end of the run
+        m.setattr(ts.Run, "finish", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, broken, capsys)
+    wobbly_run(text_file, broken, capsys, ["--resume"])
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+    before = {name: open(os.path.join(straight, name), "rb").read() for name in ("best.pt", "last.pt")}
+    out = run(["--data", text_file, "--out-dir", straight, "--resume"], capsys)  # a finished run, again
+    assert "stopped early at step 21: nothing left to train" in out and "\nstep " not in out
+    assert {name: open(os.path.join(straight, name), "rb").read() for name in before} == before
+    assert [r["step"] for r in evals(straight)][-2:] == [21, 21]  # the last eval and the full-val row
 
 
 def test_a_kill_between_log_row_and_checkpoint_repeats_no_row(text_file, tmp_path, capsys, monkeypatch):

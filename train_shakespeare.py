@@ -16,8 +16,8 @@ fast and a slow machine) or iteration-based (--max-iters: bit-reproducible, the 
 follows the step). Both warm up over --warmup-iters steps.
 Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
 (one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
-files there. --resume continues the exact run (the batches, the patience counter, the time
-budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
+files there. --resume continues the exact run (its flags, the batches, the patience counter, the
+time budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
 Checkpoints are loaded with torch.load(weights_only=True), so a crafted file cannot run code.
 """
 
@@ -128,7 +128,11 @@ def parse_args(argv=None):
     t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
     t.add_argument("--log-interval", type=int, default=10)
     t.add_argument("--patience", type=int, default=0, help="stop after this many evals without improvement (0: never)")
-    t.add_argument("--resume", action="store_true", help="continue from <out-dir>/last.pt")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from <out-dir>/last.pt with the flags saved there; a flag given again "
+                        "applies, and a note lists what it changes (a model flag that changes the model, or "
+                        "a switch between a time-based and an iteration-based run, is refused). A run that "
+                        "ended (its budget spent, or stopped early) stays ended")
     t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
@@ -138,6 +142,11 @@ def parse_args(argv=None):
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--top-k", type=int, default=None)
     args = p.parse_args(argv)
+    # which flags the command line gave: argparse fills in a default only where the namespace
+    # lacks the attribute (--resume takes every other flag from the checkpoint)
+    unset = object()
+    seen = p.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
+    args.given = sorted(k for k, v in vars(seen).items() if v is not unset)
     return args
 
 
@@ -538,6 +547,7 @@ class Progress:
     elapsed: float = 0.0  # seconds of training, compiling and evaluating: what --max-time counts
     tokens: int = 0
     evals_done: int = 0  # time-based runs: how many of the budget's evaluation points have passed
+    stopped_early: bool = False  # --patience ended the run: a resume has nothing left to train
 
 
 def start_processes(args):
@@ -565,7 +575,41 @@ def read_last_checkpoint(args):
     if args.arch not in (None, arch):
         sys.exit(f"error: {path} holds a {arch} model, not {args.arch}; drop --arch to resume it")
     args.arch = arch
+    resume_flags(args, ckpt.get("args"), path)
     return ckpt
+
+
+NOT_RESUMED = ("resume", "given", "out_dir", "device", "sample", "checkpoint", "prompt", "num_chars")
+DERIVED = {"min_lr": "lr", "lr_decay_iters": "max_iters"}  # by default computed from another flag
+
+
+def resume_flags(args, saved, path):
+    """--resume continues the run with its own settings: each flag not given again takes its value
+    from last.pt; each one given again applies, with a note (the model's flags are then checked
+    against the saved model)."""
+    if not isinstance(saved, dict):
+        log(f"note: {path} does not record its run's flags; the flags given and the defaults apply")
+        return
+    time_based = saved.get("max_time") is not None
+    kind, other = (TIME_FLAGS, ITERATION_FLAGS) if time_based else (ITERATION_FLAGS, TIME_FLAGS)
+    switched = [k for k in other if k in args.given and getattr(args, k) is not None]
+    if switched:
+        sys.exit(f"error: {path} is {'a time-based' if time_based else 'an iteration-based'} run; it cannot "
+                 f"resume as the other kind ({', '.join(flag(k) for k in switched)}): give "
+                 f"{' / '.join(flag(k) for k in kind)} to change its budget, or use a new --out-dir")
+    saved_given = set(saved.get("given", ()))
+    changed = []
+    for key, value in saved.items():
+        applies = args.arch in ARCH_FLAGS.get(key, (args.arch,))  # a flag of another arch stays unset
+        if key in NOT_RESUMED or key in other or not hasattr(args, key) or not applies:
+            continue
+        if key in args.given:
+            if getattr(args, key) != value:
+                changed.append(f"{flag(key)} {getattr(args, key)} (was {value})")
+        elif not (key in DERIVED and key not in saved_given and DERIVED[key] in args.given):
+            setattr(args, key, value)  # a derived value follows its flag, if that is given again
+    if changed:
+        log(f"note: resuming with {', '.join(changed)}")
 
 
 class Run:
@@ -625,6 +669,13 @@ class Run:
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def resume(self, ckpt):
+        needed = ["optimizer", "torch_rng"] + [f.name for f in fields(Progress) if f.name != "stopped_early"]
+        missing = [k for k in needed if k not in ckpt]
+        if missing:
+            sys.exit(f"error: {self.last_path} lacks {missing}, which this trainer saves in every last.pt "
+                     f"(a checkpoint of an older version of it, or not a last.pt), so it cannot continue the "
+                     f"run exactly; start a new run (another --out-dir keeps this one), or sample from it "
+                     f"with --sample --checkpoint {self.last_path}")
         if ckpt["vocab"] != self.chars:
             sys.exit(f"error: {self.last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
                      f"characters, this text has {len(self.chars)}); use the same --data or a new --out-dir")
@@ -634,7 +685,7 @@ class Run:
         self.raw_model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"])
-        self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress)})
+        self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress) if f.name in ckpt})
         if RANK == 0:
             truncate_log(self.log_path, self.p.step)
         log(f"resumed from {self.last_path} at step {self.p.step} (best val {self.p.best_val:.4f})")
@@ -659,6 +710,7 @@ class Run:
         improved = val_loss < p.best_val
         p.best_val = min(p.best_val, val_loss)
         p.bad_evals = 0 if improved else p.bad_evals + 1
+        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # saved with the run's end
         log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
             f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
         if RANK == 0:
@@ -677,7 +729,9 @@ class Run:
         t_start = t_last = clock()
         step_at_last = step_at_start = p.step
         elapsed_before = p.elapsed
-        while p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time:
+        if p.stopped_early:
+            log(f"the run stopped early at step {p.step}: nothing left to train (a new --out-dir starts a new run)")
+        while (p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time) and not p.stopped_early:
             lr = lr_at(args, p.step, p.elapsed)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -724,9 +778,8 @@ class Run:
                 p.evals_done = points
             if due:
                 self.evaluate()
-                if args.patience and p.bad_evals >= args.patience:
+                if p.stopped_early:
                     log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
-                    break
 
     # -------------------------------------------------------------------- the end
     def finish(self):
