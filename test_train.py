@@ -627,6 +627,11 @@ def test_resume_from_a_truncated_checkpoint_is_a_clear_error(text_file, tmp_path
     (["--min-lr=-1"], "--min-lr must be a finite number >= 0"),
     (["--patience=-1"], "--patience must be 0 or more"),
     (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
+    (["--lr", "1e300"], "--lr must be a positive finite number .at most float32's"),  # AdamW's fp32 overflowed
+    (["--seed", str(10 ** 14)], r"--seed must be in \[0, 2\*\*32\)"),  # the batch seeds overflowed int64
+    (["--device", "foo"], "--device foo is not a device name"),
+    (["--device", "meta"], "--device meta: the trainer runs on cpu, cuda or mps"),
+    (["--device", "cuda:7"], "--device cuda:7: this torch finds"),
 ])
 def test_bad_numbers_are_refused_at_the_start(text_file, tmp_path, extra, match):
     with pytest.raises(SystemExit, match=match):
@@ -672,6 +677,39 @@ def test_bad_sampling_arguments_are_refused_before_the_prompt_is_printed(text_fi
     with pytest.raises(SystemExit, match=match):
         ts.main(["--sample", "--out-dir", out_dir, "--prompt", "First"] + extra)
     assert capsys.readouterr().out == ""
+
+
+def test_a_text_without_a_newline_trains_and_samples(tmp_path, capsys):
+    text = tmp_path / "one_line.txt"
+    text.write_text("to be or not to be, that is the question; " * 60)
+    out_dir = str(tmp_path / "run")
+    out = run(["--data", str(text), "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"]
+              + without(TINY, "--no-sample"), capsys)  # the end-of-run sample starts from " ", the first character
+    assert out.split("-" * 80 + "\n")[1].startswith(" ") and len(out.split("-" * 80 + "\n")[1]) == 1 + 300 + 1
+    out = run(["--sample", "--out-dir", out_dir, "--num-chars", "20"], capsys)
+    assert out.startswith(" ") and len(out) == 1 + 20 + 1
+
+
+def test_a_checkpoint_that_contradicts_itself_is_a_clear_error(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    ckpt = torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)
+    torch.save({**ckpt, "config": {**ckpt["config"], "d_model": 24}}, tmp_path / "other_size.pt")
+    with pytest.raises(SystemExit, match="other_size.pt's weights do not match its own config"):
+        ts.main(["--sample", "--checkpoint", str(tmp_path / "other_size.pt")])
+    torch.save({**ckpt, "arch": "rnn"}, tmp_path / "rnn.pt")
+    with pytest.raises(SystemExit, match="holds an unknown architecture 'rnn'"):
+        ts.main(["--sample", "--checkpoint", str(tmp_path / "rnn.pt")])
+
+
+def test_resume_skips_log_lines_with_damaged_bytes(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    common = ["--data", text_file, "--out-dir", out_dir, "--eval-interval", "2"] + TINY
+    run(common + ["--max-iters", "2"], capsys)
+    with open(os.path.join(out_dir, "log.jsonl"), "ab") as f:
+        f.write(b'{"step": 3, "val_loss": 1.0\xff\xfe}\n\xff\n')  # not UTF-8: a disk fault
+    run(common + ["--max-iters", "4", "--resume"], capsys)
+    assert [(r["step"], "val_loss" in r) for r in evals(out_dir)] == [(2, True), (4, True), (4, False)]
 
 
 def test_the_batch_windows_depend_on_the_rank(monkeypatch):

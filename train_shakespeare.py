@@ -137,7 +137,8 @@ def parse_args(argv=None):
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
     s.add_argument("--checkpoint", help="checkpoint to sample from (default <out-dir>/best.pt)")
-    s.add_argument("--prompt", default="\n")
+    s.add_argument("--prompt", help="the text to continue (default: a newline, or the text's first character "
+                                    "in sorted order if it has no newline)")
     s.add_argument("--num-chars", type=int, default=500)
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--top-k", type=int, default=None)
@@ -152,7 +153,18 @@ def parse_args(argv=None):
 
 def pick_device(name):
     if name != "auto":
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            sys.exit(f"error: --device {name} is not a device name; expected auto, cpu, cuda, cuda:N or mps")
+        available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                     "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+        if not available.get(device.type, False):
+            sys.exit(f"error: --device {name}: " + ("this torch finds no such device" if device.type in available
+                     else "the trainer runs on cpu, cuda or mps"))
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            sys.exit(f"error: --device {name}: torch finds {torch.cuda.device_count()} CUDA device(s)")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -213,9 +225,11 @@ def check_numbers(args):
     for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
         value = getattr(args, key)
         need(value is None or value >= 0, key, "0 or more")
-    need(math.isfinite(args.lr) and args.lr > 0, "lr", "a positive finite number")
+    fp32_max = torch.finfo(torch.float32).max  # the optimizer computes in the parameters' fp32
+    need(0 < args.lr <= fp32_max, "lr", f"a positive finite number (at most float32's {fp32_max:.2e})")
     for key in ("min_lr", "weight_decay", "grad_clip", "temperature"):
-        need(math.isfinite(getattr(args, key)) and getattr(args, key) >= 0, key, "a finite number >= 0")
+        need(0 <= getattr(args, key) <= fp32_max, key, f"a finite number >= 0 (at most float32's {fp32_max:.2e})")
+    need(0 <= args.seed < 2 ** 32, "seed", "in [0, 2**32)")  # the batch seeds derived from it fit in 64 bits
     need(args.top_k is None or args.top_k >= 1, "top_k", "at least 1")
     need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
 
@@ -277,6 +291,9 @@ def load_checkpoint(path):
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         sys.exit(f"error: {path} is not a checkpoint of this trainer (it lacks {missing})")
+    if ckpt.get("arch", "mamba") not in ARCH_DEFAULTS:
+        sys.exit(f"error: {path} holds an unknown architecture {ckpt['arch']!r} (this trainer builds "
+                 f"{', '.join(ARCH_DEFAULTS)})")
     return ckpt
 
 
@@ -286,11 +303,13 @@ def truncate_log(log_path, step):
     (full_val_loss) belongs to an end that the resumed run will reach again."""
     rows = []
     if os.path.exists(log_path):
-        with open(log_path) as f:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by the kill
+                    continue
+                if not isinstance(row, dict) or not isinstance(row.get("step"), int):  # damaged bytes
                     continue
                 if "val_loss" in row and row["step"] <= step:
                     rows.append(line if line.endswith("\n") else line + "\n")
@@ -503,11 +522,11 @@ def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None
     """Stream num_chars characters after the prompt, one O(1) recurrent step per character."""
     out = out or sys.stdout
     stoi = {c: i for i, c in enumerate(chars)}
+    if not prompt:  # a text without a newline has none in its vocabulary
+        prompt = "\n" if "\n" in stoi else chars[0]
     unknown = sorted(set(prompt) - set(stoi))
     if unknown:
         raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
-    if not prompt:
-        prompt = "\n" if "\n" in stoi else chars[0]
     ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
     out.write(prompt)
     for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
@@ -523,7 +542,11 @@ def load_for_sampling(args, device):
     ckpt = load_checkpoint(path)
     model = build_model(ckpt.get("arch", "mamba"), ckpt["config"])
     set_compiled(model, False)  # a prompt is read once: compiling for it costs more than it saves
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, TypeError, AttributeError) as err:
+        sys.exit(f"error: {path}'s weights do not match its own config (a damaged or hand-made checkpoint): "
+                 f"{first_line(err)}")
     return model.to(device).eval(), ckpt
 
 
@@ -730,8 +753,9 @@ class Run:
         step_at_last = step_at_start = p.step
         elapsed_before = p.elapsed
         if p.stopped_early:
-            log(f"the run stopped early at step {p.step}: nothing left to train (a new --out-dir starts a new run)")
-        while (p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time) and not p.stopped_early:
+            log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
+        while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
+                                       else p.elapsed < args.max_time):
             lr = lr_at(args, p.step, p.elapsed)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -798,7 +822,7 @@ class Run:
             self.append_log(full_val_loss=full_val)
             if not args.no_sample:
                 print("-" * 80)
-                sample(self.raw_model.eval(), self.chars, "\n", 300, args.temperature, args.top_k, self.device)
+                sample(self.raw_model.eval(), self.chars, None, 300, args.temperature, args.top_k, self.device)
 
 
 def main(argv=None):
