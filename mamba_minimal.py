@@ -1092,6 +1092,7 @@ def _check_step_inputs(model, token_ids, cache):
         got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
         raise ValueError(f"cache must be a list of {n_layer} (conv_state, ssm_state) pairs, one per "
                          f"layer, as prefill returns it; got {got}")
+    owners = {}  # data_ptr -> the state that holds it
     for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
         mixer = layer.mixer
         if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
@@ -1105,6 +1106,14 @@ def _check_step_inputs(model, token_ids, cache):
             if t.dtype != dtype or t.device != device:
                 raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
                                  f"it for this model), got {t.dtype} on {t.device}")
+            # step writes into every state in place: two states in one memory would mix
+            if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                raise ValueError(f"cache[{i}] {name} repeats one row in memory (an expand()ed tensor); "
+                                 f"give it memory of its own, e.g. with .clone()")
+            if t.data_ptr() in owners:
+                raise ValueError(f"cache[{i}] {name} shares its memory with {owners[t.data_ptr()]}; each "
+                                 f"layer needs a state of its own ([pair] * n_layer repeats one pair)")
+            owners[t.data_ptr()] = f"cache[{i}] {name}"
 
 
 def _check_sampling(temperature, top_k, top_p):

@@ -517,6 +517,8 @@ def test_step_rejects_a_cache_that_does_not_fit():
         model.step(token, [(cache[0][0][:, :5], cache[0][1]), cache[1]])
     with pytest.raises(ValueError, match="token ids must lie in"):
         model.step(torch.full((2,), 50), cache)
+    with pytest.raises(ValueError, match=r"cache\[1\] conv_state shares its memory with cache\[0\]"):
+        model.step(token, [cache[0], cache[0]])  # as [pair] * n_layer builds it: wrong logits, silently
 
 
 def test_greedy_generate_equals_teacher_forced_argmax():

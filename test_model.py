@@ -586,7 +586,9 @@ def test_final_state_and_cache_own_exactly_their_bytes(backend):
     (lambda c: c.__setitem__(1, (c[1][0][..., :3], c[1][1])), r"cache\[1\] conv_state must have shape \(2, 64, 4\)"),
     (lambda c: c.__setitem__(1, (c[1][0], c[1][1].double())), r"ssm_state must be torch.float32"),
     (lambda c: c.__setitem__(1, (c[1][0].half(), c[1][1])), r"conv_state must be torch.float32"),
-], ids=["layers", "pair", "ssm-batch", "conv-width", "ssm-dtype", "conv-dtype"])
+    (lambda c: c.__setitem__(1, c[0]), r"cache\[1\] conv_state shares its memory with cache\[0\] conv_state"),
+    (lambda c: c.__setitem__(1, (c[1][0], c[1][1][:1].expand(2, -1, -1))), r"cache\[1\] ssm_state repeats one row"),
+], ids=["layers", "pair", "ssm-batch", "conv-width", "ssm-dtype", "conv-dtype", "shared", "expanded"])
 def test_step_checks_its_cache_before_touching_it(spoil, message):
     model = tiny_model().eval()
     ids = torch.randint(0, 21, (2, 6), generator=torch.Generator().manual_seed(0))
