@@ -265,6 +265,7 @@ def _bad(change):
     (lambda k: {"chunk_size": 0}, "chunk_size must be a positive integer"),
     (lambda k: {"chunk_size": 2.0}, "chunk_size must be a positive integer"),
     (lambda k: {"x": k["x"].long()}, "x must be a floating-point tensor"),
+    (lambda k: {"B": k["B"][:, :, :0], "C": k["C"][:, :, :0]}, "B and C must have at least one group G"),
 ])
 def test_ssd_bad_inputs_raise_errors_that_name_the_expectation(change, message):
     with pytest.raises(ValueError, match=message):
@@ -428,6 +429,19 @@ def test_optim_groups_exempt_A_log_D_dt_bias_norms_and_biases():
     assert all(n.endswith(("in_proj.weight", "out_proj.weight", "conv1d.weight", "embedding.weight"))
                for n in yes), yes
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(dt_limit=(0.0, 1.0, 2.0)), r"dt_limit must be a pair of numbers \(low, high\), got \(0.0, 1.0, 2.0\)"),
+    (dict(dt_limit=(0.2, 0.1)), r"dt_limit must be \(low, high\) with 0 <= low <= high"),  # clamped every Δ to 0.1
+    (dict(dt_limit=None), "dt_limit must be a pair of numbers"),
+    (dict(A_init_range=5), "A_init_range must be a pair of numbers"),
+    (dict(d_ssm=16.0), "d_ssm = 16.0 must be a multiple of headdim"),
+    (dict(norm_epsilon=-1.0), "norm_epsilon must be positive"),  # NaN logits
+])
+def test_config_rejects_malformed_fields(kw, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**kw)
 
 
 def test_config_rejects_inconsistent_sizes():
@@ -617,6 +631,8 @@ def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_
     (lambda c: c["ssm_cfg"].update(rope=True), r"unsupported ssm_cfg fields.*rope"),
     (lambda c: c.pop("n_layer"), r"missing the fields \['n_layer'\]"),
     (lambda c: c.update(pad_vocab_size_multiple=8), r"backbone.embedding.weight has shape \(64, 32\)"),
+    (lambda c: c["ssm_cfg"].update(dt_limit=[0, 1, 2]), r"dt_limit must be a pair of numbers"),
+    (lambda c: c.update(ssm_cfg=["layer", "Mamba2"]), "ssm_cfg must be an object of fields, got a list"),
 ])
 def test_bad_official_checkpoints_raise_errors_that_name_the_problem(tmp_path, change, message):
     torch.manual_seed(0)
@@ -634,7 +650,8 @@ def test_bad_transformers_checkpoints_and_missing_keys_raise(tmp_path):
     mamba1 = {"model_type": "mamba", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 50, "state_size": 8}
     for config, message in [(mamba1, "not Mamba-2; for Mamba-1 use mamba_minimal.MambaLM"),
                             (dict(HF_CONFIG, num_heads=3), r"num_heads \* head_dim = 3 \* 16 must equal"),
-                            (dict(HF_CONFIG, rms_norm=False), "rms_norm: false")]:
+                            (dict(HF_CONFIG, rms_norm=False), "rms_norm: false"),
+                            ({k: v for k, v in HF_CONFIG.items() if k != "head_dim"}, "missing the field head_dim")]:
         with pytest.raises(ValueError, match=message):
             Mamba2LM.from_pretrained(write_checkpoint(tmp_path / "hf_bad", config, sd))
     partial = {k: v for k, v in sd.items() if not k.endswith("layers.1.mixer.dt_bias")}

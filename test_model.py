@@ -1,6 +1,7 @@
 """Specification of mamba_minimal.py: the selective scan, the model, recurrent inference, loading."""
 
 import copy
+import importlib.util
 import json
 import warnings
 
@@ -142,6 +143,7 @@ def test_selective_scan_half_inputs_keep_fp32_state():
         (lambda a: a.__setitem__(5, a[5][:-1]), r"D must have shape \(6,\)"),
         (lambda a: a.__setitem__(7, a[7][0]), r"h0 must have shape \(2, 6, 4\)"),
         (lambda a: a.__setitem__(0, a[0][0]), r"x must have shape \(B, L, ED\)"),
+        (lambda a: a.__setitem__(0, a[0].tolist()), "x must be a tensor, got a list"),
     ],
 )
 def test_selective_scan_bad_shapes_raise(change, message):
@@ -703,6 +705,61 @@ def test_more_bad_checkpoints_raise_errors_that_name_the_problem(tmp_path, monke
     (tmp_path / "cut" / "pytorch_model.bin").write_bytes(data[:len(data) // 2])
     with pytest.raises(ValueError, match="pytorch_model.bin could not be read.*truncated"):
         MambaLM.from_pretrained(str(tmp_path / "cut"))
+
+
+def test_weights_files_that_are_not_state_dicts_raise_errors_that_name_the_problem(tmp_path):
+    model = tiny_model()
+    for name, content, message in [
+        ("list", [1, 2, 3], "pytorch_model.bin must hold a dict of tensor name -> tensor .* got a list"),
+        ("tensor", torch.zeros(3), "must hold a dict .* got a Tensor"),
+        ("float", {**model.state_dict(), "backbone.layers.1.mixer.D": 1.0},
+         r"must hold only tensors; not tensors: \['backbone.layers.1.mixer.D'\]"),
+    ]:
+        _write_official(tmp_path / name, model)
+        torch.save(content, tmp_path / name / "pytorch_model.bin")
+        with pytest.raises(ValueError, match=message):
+            MambaLM.from_pretrained(str(tmp_path / name))
+    with pytest.raises(ValueError, match="needs a folder or a hub id .* got NoneType"):
+        MambaLM.from_pretrained(None)
+    config = json.loads((tmp_path / "list" / "config.json").read_text())
+    for ssm_cfg in (["d_state", 8], "d_state=8"):
+        (tmp_path / "list" / "config.json").write_text(json.dumps(dict(config, ssm_cfg=ssm_cfg)))
+        with pytest.raises(ValueError, match="ssm_cfg must be an object of fields"):
+            MambaLM.from_pretrained(str(tmp_path / "list"))
+    if importlib.util.find_spec("safetensors") is not None:
+        from safetensors.torch import save_file
+        _write_official(tmp_path / "cut_st", model)
+        (tmp_path / "cut_st" / "pytorch_model.bin").unlink()
+        sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
+        save_file(sd, str(tmp_path / "cut_st" / "model.safetensors"))
+        data = (tmp_path / "cut_st" / "model.safetensors").read_bytes()
+        (tmp_path / "cut_st" / "model.safetensors").write_bytes(data[:len(data) // 2])
+        with pytest.raises(ValueError, match="model.safetensors could not be read.*truncated"):
+            MambaLM.from_pretrained(str(tmp_path / "cut_st"))
+
+
+@pytest.mark.parametrize("fmt", ["bin", "safetensors"])
+def test_a_sharded_checkpoint_loads_with_identical_logits(tmp_path, fmt):
+    # transformers' save_pretrained splits a model above max_shard_size into files listed by an index
+    if fmt == "safetensors":
+        save = pytest.importorskip("safetensors.torch").save_file
+    else:
+        save = torch.save
+    model = tiny_model(seed=5).eval()
+    ids = torch.randint(0, 21, (2, 9), generator=torch.Generator().manual_seed(1))
+    expected = model(ids)
+    _write_official(tmp_path / "sharded", model)
+    (tmp_path / "sharded" / "pytorch_model.bin").unlink()
+    names = list(model.state_dict())
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.{fmt}"
+        save({k: model.state_dict()[k].clone() for k in part}, str(tmp_path / "sharded" / shard))
+        weight_map.update({k: shard for k in part})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (tmp_path / "sharded" / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded = MambaLM.from_pretrained(str(tmp_path / "sharded"))
+    torch.testing.assert_close(loaded(ids), expected, rtol=0, atol=0)
 
 
 def test_the_head_is_tied_only_when_the_config_says_so(tmp_path):
