@@ -688,3 +688,38 @@ def test_mamba1_loader_refuses_a_mamba2_checkpoint(tmp_path):
     hf = write_checkpoint(tmp_path / "hf", HF_CONFIG, Mamba2LM(cfg).state_dict())
     with pytest.raises(ValueError, match="Mamba-2 model .* load it with mamba2_minimal.Mamba2LM"):
         mm.MambaLM.from_pretrained(hf)
+
+
+def test_dt_limit_clamps_both_ends():
+    # a limit that no Δ reaches cannot show a missing clamp: these raw values fall below, inside
+    # and above (0.05, 0.2)
+    mixer = m2.Mamba2Mixer(small_config(dt_limit=(0.05, 0.2)))  # 4 heads
+    with torch.no_grad():
+        mixer.dt_bias.zero_()
+    raw = [-50.0, -2.0, 0.0, 50.0]
+    softplus = [math.log1p(math.exp(v)) for v in raw]  # 2e-22, 0.127, 0.693, 50
+    expected = [min(max(v, 0.05), 0.2) for v in softplus]
+    assert mixer._delta(torch.tensor([raw])).flatten().tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_transformers_config_names_map_to_their_fields():
+    """The twin of Mamba-1's test: a transformers Mamba2Config dict with every value distinct (and
+    time_step_limit off its default), so a name mapped to the wrong field, or not mapped, shows."""
+    d = {"model_type": "mamba2", "hidden_size": 48, "num_hidden_layers": 3, "vocab_size": 40, "state_size": 6,
+         "expand": 3, "conv_kernel": 5, "head_dim": 9, "num_heads": 16, "n_groups": 2, "chunk_size": 7,
+         "time_step_min": 0.002, "time_step_max": 0.05, "time_step_floor": 0.0003, "time_step_limit": [0.01, 0.2],
+         "use_bias": True, "use_conv_bias": False, "layer_norm_epsilon": 1e-4, "residual_in_fp32": False,
+         "tie_word_embeddings": True}
+    expected = dict(d_model=48, n_layer=3, vocab_size=40, d_state=6, expand=3, d_conv=5, headdim=9, ngroups=2,
+                    chunk_size=7, dt_min=0.002, dt_max=0.05, dt_init_floor=0.0003, dt_limit=(0.01, 0.2), bias=True,
+                    conv_bias=False, norm_epsilon=1e-4, residual_in_fp32=False, tie_embeddings=True)
+    assert set(m2._HF_FIELDS) == set(d) - {"model_type", "num_heads"}  # every mapped name is in d
+    cfg = m2.config_from_dict(d)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+def test_transformers_own_config_keeps_its_time_step_limit():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Mamba2Config(num_heads=4, head_dim=16, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                   vocab_size=50, n_groups=2, time_step_limit=(0.01, 0.2))
+    assert m2.config_from_dict(json.loads(hf.to_json_string())).dt_limit == (0.01, 0.2)

@@ -3,6 +3,7 @@
 import copy
 import importlib.util
 import json
+import math
 import warnings
 
 import pytest
@@ -836,3 +837,54 @@ def test_second_derivatives_are_right_or_refused():
         torch.autograd.functional.hessian(
             lambda x: mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="chunked", chunk_size=2,
                                         recompute=True).pow(2).sum(), x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Precision and sampling properties that only show off their defaults (bf16 weights, temperature
+# other than 1)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_A_is_computed_in_fp32_in_a_bf16_model(arch):
+    # exp in bf16 would round every decay rate to 8 bits (up to 2^-9 relative): a change that the
+    # bf16 model's logits, compared at bf16 tolerance, cannot show
+    torch.manual_seed(0)
+    if arch == "mamba":
+        model = MambaLM(MambaConfig(d_model=32, n_layer=1, vocab_size=21, d_state=8))
+    else:
+        import mamba2_minimal as m2
+        model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=21, d_state=8, headdim=16))
+    mixer = model.to(torch.bfloat16).backbone.layers[0].mixer
+    assert mixer.A_log.dtype == torch.bfloat16
+    A = mixer.A
+    assert A.dtype == torch.float32
+    expected = [-math.exp(v) for v in mixer.A_log.double().flatten().tolist()]
+    assert A.flatten().double().tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_temperature_divides_the_logits(monkeypatch):
+    seen = []
+    real = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, n, generator=None: seen.append(probs) or real(probs, n))
+    mm.sample_next(torch.tensor([[0.0, 1.0, 2.0]]), temperature=0.5)
+    weights = [math.exp(v / 0.5) for v in (0.0, 1.0, 2.0)]  # softmax(logits / T), by hand
+    assert seen[0].flatten().tolist() == pytest.approx([w / sum(weights) for w in weights], rel=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_the_residual_stream_is_fp32_in_a_bf16_model(arch):
+    # as the official Block with residual_in_fp32 (the default): the sum h + mixer(norm(h)) of many
+    # layers is kept in fp32 even when the weights are bf16
+    torch.manual_seed(0)
+    if arch == "mamba":
+        model = MambaLM(MambaConfig(d_model=32, n_layer=1, vocab_size=21, d_state=8))
+    else:
+        import mamba2_minimal as m2
+        model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=21, d_state=8, headdim=16))
+    block = model.to(torch.bfloat16).backbone.layers[0]
+    h = torch.randn(1, 5, 32).bfloat16()
+    with torch.no_grad():
+        out = block(h)
+        mixed = block.mixer(block.norm(h))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, h.float() + mixed.float())  # the bf16 input is widened before the sum
