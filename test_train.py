@@ -132,9 +132,10 @@ import torch
 sys.path.insert(0, {here!r})
 import train_shakespeare as ts
 
-# record, in each process, its own training loss and a checksum of its weights after every step
-losses, weights = [], []
-real_loss_fn, real_step = ts.loss_fn, torch.optim.AdamW.step
+# record, in each process, its own training loss and a checksum of its weights after every step,
+# and how many windows it evaluates
+losses, weights, evaluated = [], [], []
+real_loss_fn, real_step, real_windows = ts.loss_fn, torch.optim.AdamW.step, ts.windows
 
 def loss_fn(model, x, y, autocast):
     loss = real_loss_fn(model, x, y, autocast)
@@ -147,7 +148,12 @@ def step(self, *a, **k):
     weights.append(sum(p.detach().double().sum().item() for g in self.param_groups for p in g["params"]))
     return out
 
-ts.loss_fn, torch.optim.AdamW.step = loss_fn, step
+def windows(split, starts, *a):
+    if not torch.is_grad_enabled():  # an evaluation (mean_loss), not a training batch
+        evaluated.append(len(starts))
+    return real_windows(split, starts, *a)
+
+ts.loss_fn, torch.optim.AdamW.step, ts.windows = loss_fn, step, windows
 if os.environ.get("PROBE_CLOCK_RATES"):  # a fake clock per process, each at its own rate
     rate = float(os.environ["PROBE_CLOCK_RATES"].split(",")[int(os.environ["RANK"])])
     now = [1000.0]
@@ -159,7 +165,7 @@ if os.environ.get("PROBE_CLOCK_RATES"):  # a fake clock per process, each at its
     ts.clock = clock
 ts.main(sys.argv[1:])
 with open(os.path.join(os.environ["PROBE_OUT"], f"rank{{ts.RANK}}.json"), "w") as f:
-    json.dump({{"losses": losses, "weights": weights}}, f)
+    json.dump({{"losses": losses, "weights": weights, "evaluated": sum(evaluated)}}, f)
 """
 
 
@@ -194,6 +200,9 @@ def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file
     x, y, _ = val_windows(text_file, block=16)
     assert evals(out_dir)[-1]["full_val_loss"] == pytest.approx(
         checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab), abs=1e-5)
+    # 2 evaluations of 8 train and 8 val windows, then the full val pass: half of them each
+    assert r0["evaluated"] + r1["evaluated"] == 2 * 2 * 8 + len(x)
+    assert abs(r0["evaluated"] - r1["evaluated"]) <= 1
 
 
 def test_a_two_process_time_based_run_follows_the_first_processs_clock(text_file, tmp_path):
@@ -463,6 +472,26 @@ def test_best_pt_holds_the_best_model_and_full_val_is_its_loss(text_file, tmp_pa
     x, y, _ = val_windows(text_file, block=16)
     assert rows[-1]["full_val_loss"] == pytest.approx(checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab),
                                                       abs=1e-5)
+
+
+def test_best_pt_follows_the_lowest_val_loss_after_a_partial_recovery(text_file, tmp_path, capsys, monkeypatch):
+    # a curve that falls to its best, then recovers part of the way (2.2 is better than the last
+    # eval's 2.5 but not than the best 2.0): only the lowest loss so far may count as improved
+    val = iter([3.0, 2.0, 2.5, 2.2, 2.6, 2.7, 2.8, 2.9])
+    calls = []
+
+    def scripted(*args, **kwargs):  # evaluate() asks for train, then val; finish() for the full val
+        calls.append(1)
+        return 1.0 if len(calls) % 2 else next(val, 0.5)
+
+    monkeypatch.setattr(ts, "mean_loss", scripted)
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "8", "--eval-interval", "1", "--patience", "3"]
+        + TINY, capsys)
+    best = torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)
+    last = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
+    assert (best["step"], best["best_val"]) == (2, 2.0)
+    assert last["step"] == 5  # three evaluations (2.5, 2.2, 2.6) without beating 2.0
 
 
 def killed_at(monkeypatch, at_step):
