@@ -101,12 +101,14 @@ def test_sample_streams_the_requested_number_of_characters(text_file, tmp_path, 
 
 
 def test_bad_inputs_give_clear_errors_and_overwrite_nothing(text_file, tmp_path, capsys):
+    # an --out-dir of the test's own: the default "out" would be created in the working directory,
+    # shared with any other run of the suite there
     with pytest.raises(SystemExit, match="does not exist"):
-        ts.main(["--data", str(tmp_path / "missing.txt")] + TINY)
+        ts.main(["--data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path / "m")] + TINY)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(SystemExit, match="is empty"):
-        ts.main(["--data", str(empty)] + TINY)
+        ts.main(["--data", str(empty), "--out-dir", str(tmp_path / "e")] + TINY)
     short = tmp_path / "short.txt"
     short.write_text("to be or not to be, that is the question\n")
     with pytest.raises(SystemExit, match="longer than one block"):
