@@ -152,22 +152,21 @@ def parse_args(argv=None):
 
 
 def pick_device(name):
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if name != "auto":
         try:
             device = torch.device(name)
         except RuntimeError:
             sys.exit(f"error: --device {name} is not a device name; expected auto, cpu, cuda, cuda:N or mps")
-        available = {"cpu": True, "cuda": torch.cuda.is_available(),
-                     "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
-        if not available.get(device.type, False):
-            sys.exit(f"error: --device {name}: " + ("this torch finds no such device" if device.type in available
-                     else "the trainer runs on cpu, cuda or mps"))
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            sys.exit(f"error: --device {name}: torch finds {torch.cuda.device_count()} CUDA device(s)")
+        if device.type not in ("cpu", "cuda", "mps"):
+            sys.exit(f"error: --device {name}: the trainer runs on cpu, cuda or mps")
+        count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(mps)}[device.type]
+        if (device.index or 0) >= count:
+            sys.exit(f"error: --device {name}: torch finds {count} {device.type} device(s)")
         return device
     if torch.cuda.is_available():
         return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if mps:
         return torch.device("mps")
     return torch.device("cpu")
 
