@@ -3,8 +3,8 @@ gpt_minimal.py: the GPT yardstick, a plain GPT of the same size as the Mamba mod
 
 The model follows nanoGPT's model.py (github.com/karpathy/nanoGPT, model.py: GPT, Block,
 CausalSelfAttention, MLP): token and learned position embeddings, pre-norm blocks of causal
-self-attention and a 4x GELU MLP, LayerNorm without biases, no biases in the linear layers, the
-head tied to the token embedding, and nanoGPT's init (normal(0, 0.02), the residual projections
+self-attention and a 4x GELU MLP, no biases in LayerNorm and the linear layers (nanoGPT train.py's
+bias = False), the head tied to the token embedding, and nanoGPT's init (normal(0, 0.02), the residual projections
 scaled by 1/sqrt(2 * n_layer)). Dropout is left out: the Shakespeare runs it serves train with 0.
 
 It is used by `train_shakespeare.py --arch gpt` (the same data, windows and log as Mamba) and by
