@@ -31,7 +31,6 @@ one subprocess per case, so it is Linux only.
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
 import shlex
@@ -40,12 +39,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 import mamba_minimal as mm
 import pscan as ps
+from gpt_minimal import GPTConfig, TinyGPT
 
 
 def sync(device):
@@ -381,70 +380,6 @@ def bench_selective(args, device, shapes=None):
 # ------------------------------------------------------------------------------------------------
 # One training step of a small language model
 # ------------------------------------------------------------------------------------------------
-
-@dataclass
-class GPTConfig:
-    vocab_size: int = 65
-    d_model: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    block_size: int = 64  # the longest context: the position embedding has this many rows
-
-
-class TinyGPT(torch.nn.Module):
-    """A plain pre-norm GPT as nanoGPT's model.py builds it (no biases, tied head, its init), only as
-    a yardstick for Mamba: the training step here, and `train_shakespeare.py --arch gpt` (4 layers,
-    width 128, 4 heads: 0.80M parameters with a 65-character vocabulary, nanoGPT's README CPU model)."""
-
-    def __init__(self, cfg=None):
-        super().__init__()
-        nn = torch.nn
-        self.cfg = cfg = cfg or GPTConfig()
-        d = cfg.d_model
-        if d % cfg.n_head:
-            raise ValueError(f"d_model ({d}) must be a multiple of n_head ({cfg.n_head})")
-        self.tok, self.pos = nn.Embedding(cfg.vocab_size, d), nn.Embedding(cfg.block_size, d)
-        self.blocks = nn.ModuleList(nn.ModuleDict(dict(
-            ln1=nn.LayerNorm(d, bias=False), qkv=nn.Linear(d, 3 * d, bias=False), proj=nn.Linear(d, d, bias=False),
-            ln2=nn.LayerNorm(d, bias=False), fc=nn.Linear(d, 4 * d, bias=False), out=nn.Linear(4 * d, d, bias=False),
-        )) for _ in range(cfg.n_layer))
-        self.ln_f, self.head = nn.LayerNorm(d, bias=False), nn.Linear(d, cfg.vocab_size, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in nanoGPT
-        for name, p in self.named_parameters():  # nanoGPT's init; residual projections scaled by depth
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, idx):
-        b, t = idx.shape
-        if t > self.cfg.block_size:
-            raise ValueError(f"the GPT reads at most {self.cfg.block_size} tokens, got {t}")
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))  # (B, T, d)
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](x)).split(x.shape[-1], dim=-1)
-            q, k, v = (u.view(b, t, self.cfg.n_head, -1).transpose(1, 2) for u in (q, k, v))  # (B, H, T, d/H)
-            att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + blk["proj"](att.transpose(1, 2).reshape(b, t, -1))
-            x = x + blk["out"](torch.nn.functional.gelu(blk["fc"](blk["ln2"](x))))
-        return self.head(self.ln_f(x))  # (B, T, vocab)
-
-    def optim_groups(self, weight_decay):
-        """As nanoGPT: matrices (and embeddings) decay, norms do not."""
-        params = list(self.parameters())  # tied weights appear once
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-
-    @torch.no_grad()
-    def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
-        """Yield (B,) new token ids. No KV cache: every token re-reads the last block_size tokens,
-        which is what attention costs without one (Mamba's step is O(1) instead)."""
-        ids = input_ids
-        for _ in range(max_new_tokens):
-            logits = self(ids[:, -self.cfg.block_size:])[:, -1]  # (B, vocab)
-            token = mm.sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
-            yield token
-            ids = torch.cat([ids, token[:, None]], dim=1)
-
 
 def training_step(model, ids, vocab, autocast=None):
     """A function that runs one training step of model on the batch ids (B, L + 1): forward,

@@ -83,6 +83,8 @@ def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
     if B.dim() != 4 or tuple(B.shape[:2]) != (b, L):
         raise ValueError(f"B must have shape (b, L, G, N) = ({b}, {L}, G, N), got {tuple(B.shape)}")
     G, N = B.shape[2:]
+    if G == 0:
+        raise ValueError(f"B and C must have at least one group G, got shape {tuple(B.shape)}")
     if H % G != 0:
         raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
     if not mm._is_positive_int(chunk_size):
@@ -414,15 +416,24 @@ class Mamba2Config:
                 raise ValueError(f"Mamba2Config.{name} must be a positive integer, got {value!r}")
         if self.d_ssm is None:
             self.d_ssm = self.d_inner
-        if not 0 < self.d_ssm <= self.d_inner or self.d_ssm % self.headdim:
-            raise ValueError(f"d_ssm = {self.d_ssm} must be a multiple of headdim = {self.headdim} "
+        if not mm._is_positive_int(self.d_ssm) or self.d_ssm > self.d_inner or self.d_ssm % self.headdim:
+            raise ValueError(f"d_ssm = {self.d_ssm!r} must be a multiple of headdim = {self.headdim} (an int) "
                              f"and at most d_inner = expand * d_model = {self.d_inner}")
         if self.nheads % self.ngroups:
             raise ValueError(f"the number of heads d_ssm / headdim = {self.nheads} must be a multiple "
                              f"of ngroups = {self.ngroups}")
-        self.A_init_range, self.dt_limit = tuple(self.A_init_range), tuple(self.dt_limit)
+        for name in ("A_init_range", "dt_limit"):
+            pair = getattr(self, name)
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair):
+                raise ValueError(f"Mamba2Config.{name} must be a pair of numbers (low, high), got {pair!r}")
+            setattr(self, name, tuple(pair))
         if not 0 < self.A_init_range[0] <= self.A_init_range[1]:
             raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {self.A_init_range}")
+        if not 0 <= self.dt_limit[0] <= self.dt_limit[1]:  # low > high would clamp every Δ to high
+            raise ValueError(f"dt_limit must be (low, high) with 0 <= low <= high, got {self.dt_limit}")
+        if not self.norm_epsilon > 0:
+            raise ValueError(f"Mamba2Config.norm_epsilon must be positive, got {self.norm_epsilon!r}")
         if not 0 < self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
         if self.scan_backend not in pscan.BACKENDS:
@@ -671,6 +682,8 @@ def _number(v):
 def config_from_dict(d, **overrides):
     """A Mamba2Config from an official or a transformers config.json dict."""
     if "hidden_size" in d or "num_hidden_layers" in d:
+        if d.get("model_type") == "mamba2" and "head_dim" not in d:
+            raise ValueError(f"config.json is missing the field head_dim (found {sorted(d)})")
         if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
             raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
                              f"Mamba-2; for Mamba-1 use mamba_minimal.MambaLM.from_pretrained")
@@ -689,7 +702,7 @@ def config_from_dict(d, **overrides):
                              f"hidden_size = {width}")
     else:
         required = ["d_model", "n_layer", "vocab_size"]
-        ssm_cfg = dict(d.get("ssm_cfg") or {})
+        ssm_cfg = dict(mm._ssm_cfg(d))
         layer = ssm_cfg.pop("layer", "Mamba1")
         if layer != "Mamba2":
             raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "

@@ -1022,7 +1022,7 @@ def config_from_dict(d, **overrides):
         kwargs["pad_vocab_size_multiple"] = 1
     else:
         required = ["d_model", "n_layer", "vocab_size"]
-        ssm_cfg = dict(d.get("ssm_cfg") or {})
+        ssm_cfg = dict(_ssm_cfg(d))
         layer = ssm_cfg.pop("layer", "Mamba1")
         if layer != "Mamba1":
             raise ValueError(f"MambaLM covers Mamba-1 only; config.json asks for {layer}"
@@ -1051,22 +1051,56 @@ def config_from_dict(d, **overrides):
     return MambaConfig(**kwargs)
 
 
+def _ssm_cfg(d):
+    ssm_cfg = d.get("ssm_cfg") or {}
+    if not isinstance(ssm_cfg, dict):
+        raise ValueError(f"config.json's ssm_cfg must be an object of fields, got a {type(ssm_cfg).__name__}")
+    return ssm_cfg
+
+
 def _load_state_dict_file(folder):
-    st = os.path.join(folder, "model.safetensors")
-    pt = os.path.join(folder, "pytorch_model.bin")
-    if os.path.exists(pt):
-        try:
-            return torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as err:  # a truncated download, or not a plain tensor checkpoint
-            raise ValueError(f"{pt} could not be read as a PyTorch state dict (truncated or not a "
-                             f"checkpoint?): {type(err).__name__}: {err}") from err
-    if os.path.exists(st):
+    """The folder's weights as one dict: pytorch_model.bin, model.safetensors, or the shards that
+    a model.safetensors.index.json or pytorch_model.bin.index.json lists (transformers'
+    save_pretrained splits models above its max_shard_size)."""
+    for name in ("pytorch_model.bin", "model.safetensors"):
+        if os.path.exists(os.path.join(folder, name)):
+            return _read_weights(os.path.join(folder, name))
+    for name in ("pytorch_model.bin.index.json", "model.safetensors.index.json"):
+        index = os.path.join(folder, name)
+        if os.path.exists(index):
+            with open(index) as f:
+                try:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+                except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                    raise ValueError(f"{index} must be JSON with a weight_map of tensor names to shard "
+                                     f"files ({type(err).__name__}: {err})") from None
+            state_dict = {}
+            for shard in shards:
+                state_dict.update(_read_weights(os.path.join(folder, shard)))
+            return state_dict
+    raise FileNotFoundError(f"no pytorch_model.bin or model.safetensors (nor a sharded index.json) in {folder}")
+
+
+def _read_weights(path):
+    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor."""
+    safetensors = path.endswith(".safetensors")
+    if safetensors:
         try:
             from safetensors.torch import load_file
         except ImportError as err:
-            raise ImportError(f"{st} needs the safetensors package: pip install safetensors") from err
-        return load_file(st)
-    raise FileNotFoundError(f"no pytorch_model.bin or model.safetensors in {folder}")
+            raise ImportError(f"{path} needs the safetensors package: pip install safetensors") from err
+    try:
+        state_dict = load_file(path) if safetensors else torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated download, or not a plain tensor checkpoint
+        raise ValueError(f"{path} could not be read as a PyTorch state dict (truncated or not a "
+                         f"checkpoint?): {type(err).__name__}: {err}") from err
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{path} must hold a dict of tensor name -> tensor (a state dict), got a "
+                         f"{type(state_dict).__name__}")
+    wrong = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+    if wrong:
+        raise ValueError(f"{path} must hold only tensors; not tensors: {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
+    return state_dict
 
 
 def _looks_like_a_path(s):
@@ -1076,6 +1110,10 @@ def _looks_like_a_path(s):
 
 
 def _resolve_folder(path_or_id):
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        raise ValueError(f"from_pretrained needs a folder or a hub id such as state-spaces/mamba-130m, "
+                         f"got {type(path_or_id).__name__}")
+    path_or_id = os.fspath(path_or_id)
     if os.path.isdir(path_or_id):
         return path_or_id
     if os.path.exists(path_or_id):
@@ -1196,6 +1234,9 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
     _check_backend(backend, "backend")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got a {type(t).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x must have shape (B, L, ED) (batch, length, channels), got {tuple(x.shape)}")
     b, l, ed = x.shape
@@ -1250,6 +1291,7 @@ def _check_step_inputs(model, token_ids, cache):
         got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
         raise ValueError(f"cache must be a list of {n_layer} (conv_state, ssm_state) pairs, one per "
                          f"layer, as prefill returns it; got {got}")
+    owners = {}  # data_ptr -> the state that holds it
     for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
         mixer = layer.mixer
         if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
@@ -1263,6 +1305,14 @@ def _check_step_inputs(model, token_ids, cache):
             if t.dtype != dtype or t.device != device:
                 raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
                                  f"it for this model), got {t.dtype} on {t.device}")
+            # step writes into every state in place: two states in one memory would mix
+            if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                raise ValueError(f"cache[{i}] {name} repeats one row in memory (an expand()ed tensor); "
+                                 f"give it memory of its own, e.g. with .clone()")
+            if t.data_ptr() in owners:
+                raise ValueError(f"cache[{i}] {name} shares its memory with {owners[t.data_ptr()]}; each "
+                                 f"layer needs a state of its own ([pair] * n_layer repeats one pair)")
+            owners[t.data_ptr()] = f"cache[{i}] {name}"
 
 
 def _check_sampling(temperature, top_k, top_p):

@@ -282,6 +282,7 @@ def _bad(change):
     (lambda k: {"chunk_size": 0}, "chunk_size must be a positive integer"),
     (lambda k: {"chunk_size": 2.0}, "chunk_size must be a positive integer"),
     (lambda k: {"x": k["x"].long()}, "x must be a floating-point tensor"),
+    (lambda k: {"B": k["B"][:, :, :0], "C": k["C"][:, :, :0]}, "B and C must have at least one group G"),
 ])
 def test_ssd_bad_inputs_raise_errors_that_name_the_expectation(change, message):
     with pytest.raises(ValueError, match=message):
@@ -447,6 +448,19 @@ def test_optim_groups_exempt_A_log_D_dt_bias_norms_and_biases():
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
 
 
+@pytest.mark.parametrize("kw, message", [
+    (dict(dt_limit=(0.0, 1.0, 2.0)), r"dt_limit must be a pair of numbers \(low, high\), got \(0.0, 1.0, 2.0\)"),
+    (dict(dt_limit=(0.2, 0.1)), r"dt_limit must be \(low, high\) with 0 <= low <= high"),  # clamped every Δ to 0.1
+    (dict(dt_limit=None), "dt_limit must be a pair of numbers"),
+    (dict(A_init_range=5), "A_init_range must be a pair of numbers"),
+    (dict(d_ssm=16.0), "d_ssm = 16.0 must be a multiple of headdim"),
+    (dict(norm_epsilon=-1.0), "norm_epsilon must be positive"),  # NaN logits
+])
+def test_config_rejects_malformed_fields(kw, message):
+    with pytest.raises(ValueError, match=message):
+        small_config(**kw)
+
+
 def test_config_rejects_inconsistent_sizes():
     with pytest.raises(ValueError, match="must be a multiple of headdim"):
         small_config(headdim=24)
@@ -554,6 +568,8 @@ def test_step_rejects_a_cache_that_does_not_fit():
         model.step(token, [(cache[0][0][:, :5], cache[0][1]), cache[1]])
     with pytest.raises(ValueError, match="token ids must lie in"):
         model.step(torch.full((2,), 50), cache)
+    with pytest.raises(ValueError, match=r"cache\[1\] conv_state shares its memory with cache\[0\]"):
+        model.step(token, [cache[0], cache[0]])  # as [pair] * n_layer builds it: wrong logits, silently
 
 
 def test_greedy_generate_equals_teacher_forced_argmax():
@@ -652,6 +668,8 @@ def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_
     (lambda c: c["ssm_cfg"].update(rope=True), r"unsupported ssm_cfg fields.*rope"),
     (lambda c: c.pop("n_layer"), r"missing the fields \['n_layer'\]"),
     (lambda c: c.update(pad_vocab_size_multiple=8), r"backbone.embedding.weight has shape \(64, 32\)"),
+    (lambda c: c["ssm_cfg"].update(dt_limit=[0, 1, 2]), r"dt_limit must be a pair of numbers"),
+    (lambda c: c.update(ssm_cfg=["layer", "Mamba2"]), "ssm_cfg must be an object of fields, got a list"),
 ])
 def test_bad_official_checkpoints_raise_errors_that_name_the_problem(tmp_path, change, message):
     torch.manual_seed(0)
@@ -669,7 +687,8 @@ def test_bad_transformers_checkpoints_and_missing_keys_raise(tmp_path):
     mamba1 = {"model_type": "mamba", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 50, "state_size": 8}
     for config, message in [(mamba1, "not Mamba-2; for Mamba-1 use mamba_minimal.MambaLM"),
                             (dict(HF_CONFIG, num_heads=3), r"num_heads \* head_dim = 3 \* 16 must equal"),
-                            (dict(HF_CONFIG, rms_norm=False), "rms_norm: false")]:
+                            (dict(HF_CONFIG, rms_norm=False), "rms_norm: false"),
+                            ({k: v for k, v in HF_CONFIG.items() if k != "head_dim"}, "missing the field head_dim")]:
         with pytest.raises(ValueError, match=message):
             Mamba2LM.from_pretrained(write_checkpoint(tmp_path / "hf_bad", config, sd))
     partial = {k: v for k, v in sd.items() if not k.endswith("layers.1.mixer.dt_bias")}
@@ -706,3 +725,38 @@ def test_mamba1_loader_refuses_a_mamba2_checkpoint(tmp_path):
     hf = write_checkpoint(tmp_path / "hf", HF_CONFIG, Mamba2LM(cfg).state_dict())
     with pytest.raises(ValueError, match="Mamba-2 model .* load it with mamba2_minimal.Mamba2LM"):
         mm.MambaLM.from_pretrained(hf)
+
+
+def test_dt_limit_clamps_both_ends():
+    # a limit that no Δ reaches cannot show a missing clamp: these raw values fall below, inside
+    # and above (0.05, 0.2)
+    mixer = m2.Mamba2Mixer(small_config(dt_limit=(0.05, 0.2)))  # 4 heads
+    with torch.no_grad():
+        mixer.dt_bias.zero_()
+    raw = [-50.0, -2.0, 0.0, 50.0]
+    softplus = [math.log1p(math.exp(v)) for v in raw]  # 2e-22, 0.127, 0.693, 50
+    expected = [min(max(v, 0.05), 0.2) for v in softplus]
+    assert mixer._delta(torch.tensor([raw])).flatten().tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_transformers_config_names_map_to_their_fields():
+    """The twin of Mamba-1's test: a transformers Mamba2Config dict with every value distinct (and
+    time_step_limit off its default), so a name mapped to the wrong field, or not mapped, shows."""
+    d = {"model_type": "mamba2", "hidden_size": 48, "num_hidden_layers": 3, "vocab_size": 40, "state_size": 6,
+         "expand": 3, "conv_kernel": 5, "head_dim": 9, "num_heads": 16, "n_groups": 2, "chunk_size": 7,
+         "time_step_min": 0.002, "time_step_max": 0.05, "time_step_floor": 0.0003, "time_step_limit": [0.01, 0.2],
+         "use_bias": True, "use_conv_bias": False, "layer_norm_epsilon": 1e-4, "residual_in_fp32": False,
+         "tie_word_embeddings": True}
+    expected = dict(d_model=48, n_layer=3, vocab_size=40, d_state=6, expand=3, d_conv=5, headdim=9, ngroups=2,
+                    chunk_size=7, dt_min=0.002, dt_max=0.05, dt_init_floor=0.0003, dt_limit=(0.01, 0.2), bias=True,
+                    conv_bias=False, norm_epsilon=1e-4, residual_in_fp32=False, tie_embeddings=True)
+    assert set(m2._HF_FIELDS) == set(d) - {"model_type", "num_heads"}  # every mapped name is in d
+    cfg = m2.config_from_dict(d)
+    assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+def test_transformers_own_config_keeps_its_time_step_limit():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Mamba2Config(num_heads=4, head_dim=16, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                   vocab_size=50, n_groups=2, time_step_limit=(0.01, 0.2))
+    assert m2.config_from_dict(json.loads(hf.to_json_string())).dt_limit == (0.01, 0.2)

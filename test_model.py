@@ -1,7 +1,9 @@
 """Specification of mamba_minimal.py: the selective scan, the model, recurrent inference, loading."""
 
 import copy
+import importlib.util
 import json
+import math
 import warnings
 
 import pytest
@@ -142,6 +144,7 @@ def test_selective_scan_half_inputs_keep_fp32_state():
         (lambda a: a.__setitem__(5, a[5][:-1]), r"D must have shape \(6,\)"),
         (lambda a: a.__setitem__(7, a[7][0]), r"h0 must have shape \(2, 6, 4\)"),
         (lambda a: a.__setitem__(0, a[0][0]), r"x must have shape \(B, L, ED\)"),
+        (lambda a: a.__setitem__(0, a[0].tolist()), "x must be a tensor, got a list"),
     ],
 )
 def test_selective_scan_bad_shapes_raise(change, message):
@@ -588,7 +591,9 @@ def test_final_state_and_cache_own_exactly_their_bytes(backend):
     (lambda c: c.__setitem__(1, (c[1][0][..., :3], c[1][1])), r"cache\[1\] conv_state must have shape \(2, 64, 4\)"),
     (lambda c: c.__setitem__(1, (c[1][0], c[1][1].double())), r"ssm_state must be torch.float32"),
     (lambda c: c.__setitem__(1, (c[1][0].half(), c[1][1])), r"conv_state must be torch.float32"),
-], ids=["layers", "pair", "ssm-batch", "conv-width", "ssm-dtype", "conv-dtype"])
+    (lambda c: c.__setitem__(1, c[0]), r"cache\[1\] conv_state shares its memory with cache\[0\] conv_state"),
+    (lambda c: c.__setitem__(1, (c[1][0], c[1][1][:1].expand(2, -1, -1))), r"cache\[1\] ssm_state repeats one row"),
+], ids=["layers", "pair", "ssm-batch", "conv-width", "ssm-dtype", "conv-dtype", "shared", "expanded"])
 def test_step_checks_its_cache_before_touching_it(spoil, message):
     model = tiny_model().eval()
     ids = torch.randint(0, 21, (2, 6), generator=torch.Generator().manual_seed(0))
@@ -722,6 +727,61 @@ def test_more_bad_checkpoints_raise_errors_that_name_the_problem(tmp_path, monke
         MambaLM.from_pretrained(str(tmp_path / "cut"))
 
 
+def test_weights_files_that_are_not_state_dicts_raise_errors_that_name_the_problem(tmp_path):
+    model = tiny_model()
+    for name, content, message in [
+        ("list", [1, 2, 3], "pytorch_model.bin must hold a dict of tensor name -> tensor .* got a list"),
+        ("tensor", torch.zeros(3), "must hold a dict .* got a Tensor"),
+        ("float", {**model.state_dict(), "backbone.layers.1.mixer.D": 1.0},
+         r"must hold only tensors; not tensors: \['backbone.layers.1.mixer.D'\]"),
+    ]:
+        _write_official(tmp_path / name, model)
+        torch.save(content, tmp_path / name / "pytorch_model.bin")
+        with pytest.raises(ValueError, match=message):
+            MambaLM.from_pretrained(str(tmp_path / name))
+    with pytest.raises(ValueError, match="needs a folder or a hub id .* got NoneType"):
+        MambaLM.from_pretrained(None)
+    config = json.loads((tmp_path / "list" / "config.json").read_text())
+    for ssm_cfg in (["d_state", 8], "d_state=8"):
+        (tmp_path / "list" / "config.json").write_text(json.dumps(dict(config, ssm_cfg=ssm_cfg)))
+        with pytest.raises(ValueError, match="ssm_cfg must be an object of fields"):
+            MambaLM.from_pretrained(str(tmp_path / "list"))
+    if importlib.util.find_spec("safetensors") is not None:
+        from safetensors.torch import save_file
+        _write_official(tmp_path / "cut_st", model)
+        (tmp_path / "cut_st" / "pytorch_model.bin").unlink()
+        sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
+        save_file(sd, str(tmp_path / "cut_st" / "model.safetensors"))
+        data = (tmp_path / "cut_st" / "model.safetensors").read_bytes()
+        (tmp_path / "cut_st" / "model.safetensors").write_bytes(data[:len(data) // 2])
+        with pytest.raises(ValueError, match="model.safetensors could not be read.*truncated"):
+            MambaLM.from_pretrained(str(tmp_path / "cut_st"))
+
+
+@pytest.mark.parametrize("fmt", ["bin", "safetensors"])
+def test_a_sharded_checkpoint_loads_with_identical_logits(tmp_path, fmt):
+    # transformers' save_pretrained splits a model above max_shard_size into files listed by an index
+    if fmt == "safetensors":
+        save = pytest.importorskip("safetensors.torch").save_file
+    else:
+        save = torch.save
+    model = tiny_model(seed=5).eval()
+    ids = torch.randint(0, 21, (2, 9), generator=torch.Generator().manual_seed(1))
+    expected = model(ids)
+    _write_official(tmp_path / "sharded", model)
+    (tmp_path / "sharded" / "pytorch_model.bin").unlink()
+    names = list(model.state_dict())
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.{fmt}"
+        save({k: model.state_dict()[k].clone() for k in part}, str(tmp_path / "sharded" / shard))
+        weight_map.update({k: shard for k in part})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (tmp_path / "sharded" / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    loaded = MambaLM.from_pretrained(str(tmp_path / "sharded"))
+    torch.testing.assert_close(loaded(ids), expected, rtol=0, atol=0)
+
+
 def test_the_head_is_tied_only_when_the_config_says_so(tmp_path):
     # a tied config and a file whose lm_head differs from the embedding: refuse, never overwrite
     model = tiny_model(tie_embeddings=False)
@@ -796,3 +856,54 @@ def test_second_derivatives_are_right_or_refused():
         torch.autograd.functional.hessian(
             lambda x: mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="chunked", chunk_size=2,
                                         recompute=True).pow(2).sum(), x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Precision and sampling properties that only show off their defaults (bf16 weights, temperature
+# other than 1)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_A_is_computed_in_fp32_in_a_bf16_model(arch):
+    # exp in bf16 would round every decay rate to 8 bits (up to 2^-9 relative): a change that the
+    # bf16 model's logits, compared at bf16 tolerance, cannot show
+    torch.manual_seed(0)
+    if arch == "mamba":
+        model = MambaLM(MambaConfig(d_model=32, n_layer=1, vocab_size=21, d_state=8))
+    else:
+        import mamba2_minimal as m2
+        model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=21, d_state=8, headdim=16))
+    mixer = model.to(torch.bfloat16).backbone.layers[0].mixer
+    assert mixer.A_log.dtype == torch.bfloat16
+    A = mixer.A
+    assert A.dtype == torch.float32
+    expected = [-math.exp(v) for v in mixer.A_log.double().flatten().tolist()]
+    assert A.flatten().double().tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_temperature_divides_the_logits(monkeypatch):
+    seen = []
+    real = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, n, generator=None: seen.append(probs) or real(probs, n))
+    mm.sample_next(torch.tensor([[0.0, 1.0, 2.0]]), temperature=0.5)
+    weights = [math.exp(v / 0.5) for v in (0.0, 1.0, 2.0)]  # softmax(logits / T), by hand
+    assert seen[0].flatten().tolist() == pytest.approx([w / sum(weights) for w in weights], rel=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_the_residual_stream_is_fp32_in_a_bf16_model(arch):
+    # as the official Block with residual_in_fp32 (the default): the sum h + mixer(norm(h)) of many
+    # layers is kept in fp32 even when the weights are bf16
+    torch.manual_seed(0)
+    if arch == "mamba":
+        model = MambaLM(MambaConfig(d_model=32, n_layer=1, vocab_size=21, d_state=8))
+    else:
+        import mamba2_minimal as m2
+        model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=21, d_state=8, headdim=16))
+    block = model.to(torch.bfloat16).backbone.layers[0]
+    h = torch.randn(1, 5, 32).bfloat16()
+    with torch.no_grad():
+        out = block(h)
+        mixed = block.mixer(block.norm(h))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, h.float() + mixed.float())  # the bf16 input is widened before the sum

@@ -395,3 +395,31 @@ def test_counted_work_and_depth_match_the_formulas(L):
             if name == "sequential":
                 extra = 0  # the loop's first step takes h0 anyway
             assert (sum(levels), len(levels)) == (work + extra, depth + extra), (name, start is not None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Structure of the backward: properties that change the cost, not the numbers
+# ------------------------------------------------------------------------------------------------
+
+def test_the_loop_records_no_per_step_slices_for_autograd():
+    # indexing a[:, t] in the loop would make the backward write a zero tensor of the whole
+    # sequence for every step (select_backward): quadratic in L. unbind has one backward for all
+    a = torch.rand(1, 64, 4, requires_grad=True)
+    b = torch.randn(1, 64, 4, requires_grad=True)
+    with torch.profiler.profile() as prof:
+        ps.scan_sequential(a, b).sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("aten::select_backward") <= 2, names.count("aten::select_backward")
+
+
+def test_a_plain_backward_takes_the_lean_path(monkeypatch):
+    # the recorded backward (for create_graph) gives the same numbers with more work and memory
+    calls = []
+    real = ps._backward_recorded
+    monkeypatch.setattr(ps, "_backward_recorded", lambda *args: calls.append(1) or real(*args))
+    a = torch.rand(2, 16, 3, requires_grad=True)
+    b = torch.randn(2, 16, 3, requires_grad=True)
+    ps.pscan(a, b).sum().backward()
+    assert calls == []
+    torch.autograd.grad(ps.pscan(a, b).pow(2).sum(), a, create_graph=True)
+    assert calls == [1]  # and the recorded one for a second derivative

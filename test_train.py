@@ -102,12 +102,14 @@ def test_sample_streams_the_requested_number_of_characters(text_file, tmp_path, 
 
 
 def test_bad_inputs_give_clear_errors_and_overwrite_nothing(text_file, tmp_path, capsys):
+    # an --out-dir of the test's own: the default "out" would be created in the working directory,
+    # shared with any other run of the suite there
     with pytest.raises(SystemExit, match="does not exist"):
-        ts.main(["--data", str(tmp_path / "missing.txt")] + TINY)
+        ts.main(["--data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path / "m")] + TINY)
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(SystemExit, match="is empty"):
-        ts.main(["--data", str(empty)] + TINY)
+        ts.main(["--data", str(empty), "--out-dir", str(tmp_path / "e")] + TINY)
     short = tmp_path / "short.txt"
     short.write_text("to be or not to be, that is the question\n")
     with pytest.raises(SystemExit, match="longer than one block"):
@@ -133,9 +135,10 @@ import torch
 sys.path.insert(0, {here!r})
 import train_shakespeare as ts
 
-# record, in each process, its own training loss and a checksum of its weights after every step
-losses, weights = [], []
-real_loss_fn, real_step = ts.loss_fn, torch.optim.AdamW.step
+# record, in each process, its own training loss and a checksum of its weights after every step,
+# and how many windows it evaluates
+losses, weights, evaluated = [], [], []
+real_loss_fn, real_step, real_windows = ts.loss_fn, torch.optim.AdamW.step, ts.windows
 
 def loss_fn(model, x, y, autocast):
     loss = real_loss_fn(model, x, y, autocast)
@@ -148,10 +151,24 @@ def step(self, *a, **k):
     weights.append(sum(p.detach().double().sum().item() for g in self.param_groups for p in g["params"]))
     return out
 
-ts.loss_fn, torch.optim.AdamW.step = loss_fn, step
+def windows(split, starts, *a):
+    if not torch.is_grad_enabled():  # an evaluation (mean_loss), not a training batch
+        evaluated.append(len(starts))
+    return real_windows(split, starts, *a)
+
+ts.loss_fn, torch.optim.AdamW.step, ts.windows = loss_fn, step, windows
+if os.environ.get("PROBE_CLOCK_RATES"):  # a fake clock per process, each at its own rate
+    rate = float(os.environ["PROBE_CLOCK_RATES"].split(",")[int(os.environ["RANK"])])
+    now = [1000.0]
+
+    def clock():
+        now[0] += rate
+        return now[0]
+
+    ts.clock = clock
 ts.main(sys.argv[1:])
 with open(os.path.join(os.environ["PROBE_OUT"], f"rank{{ts.RANK}}.json"), "w") as f:
-    json.dump({{"losses": losses, "weights": weights}}, f)
+    json.dump({{"losses": losses, "weights": weights, "evaluated": sum(evaluated)}}, f)
 """
 
 
@@ -186,6 +203,29 @@ def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file
     x, y, _ = val_windows(text_file, block=16)
     assert evals(out_dir)[-1]["full_val_loss"] == pytest.approx(
         checkpoint_loss(os.path.join(out_dir, "best.pt"), x, y, vocab), abs=1e-5)
+    # 2 evaluations of 8 train and 8 val windows, then the full val pass: half of them each
+    assert r0["evaluated"] + r1["evaluated"] == 2 * 2 * 8 + len(x)
+    assert abs(r0["evaluated"] - r1["evaluated"]) <= 1
+
+
+def test_a_two_process_time_based_run_follows_the_first_processs_clock(text_file, tmp_path):
+    # process 0's clock reads 1 s per step, process 1's 1.25 s: on its own clock process 1 would
+    # reach the eval point at 4 s at step 4 and the one at 6 s at step 5, and so enter an
+    # evaluation's all_reduce while process 0 enters the next step's gradient all_reduce
+    out_dir = str(tmp_path / "ddp")
+    probe = tmp_path / "probe.py"
+    probe.write_text(DDP_PROBE.format(here=HERE))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(probe), "--data", text_file, "--out-dir", out_dir,
+           "--device", "cpu", "--max-time", "10", "--num-evals", "5"] + TINY
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path), PROBE_CLOCK_RATES="1.0,1.25")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(r["step"], r["elapsed"]) for r in evals(out_dir) if "val_loss" in r] == \
+        [(2, 2), (4, 4), (6, 6), (8, 8), (10, 10)]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(r0["weights"]) == len(r1["weights"]) == 10  # both stop where process 0's clock says
+    assert r0["weights"] == r1["weights"]
 
 
 MAMBA2_TINY = ["--arch", "mamba2", "--headdim", "8", "--d-state", "8"] + without(TINY, "--d-state")
@@ -324,6 +364,60 @@ def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monk
     assert evals(broken) == evals(straight)  # the fake clock makes even "elapsed" equal
 
 
+def test_resume_takes_the_flags_saved_in_last_pt(text_file, tmp_path, capsys, monkeypatch):
+    model = ["--d-model", "16", "--n-layer", "1", "--d-state", "4"]
+    flags = ["--max-iters", "20", "--eval-interval", "5", "--block-size", "12", "--batch-size", "6", "--seed", "7",
+             "--lr", "0.02", "--warmup-iters", "3", "--eval-iters", "2", "--patience", "9", "--no-sample"]
+    straight = str(tmp_path / "straight")
+    run(["--data", text_file, "--out-dir", straight] + model + flags, capsys)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 12)
+        with pytest.raises(KeyboardInterrupt):
+            run(["--data", text_file, "--out-dir", broken] + model + flags, capsys)
+    fake_clock(monkeypatch, 100.0)  # a run that fell back to the (time-based) defaults would end at once
+    out = run(["--out-dir", broken, "--resume"], capsys)  # no other flag: all from last.pt, --data too
+    assert "at step 10" in out and "note: resuming with" not in out
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+    # a flag given again applies, with a note; the decay length, derived from --max-iters, follows it
+    out = run(["--out-dir", broken, "--resume", "--max-iters", "25"], capsys)
+    assert "note: resuming with --max-iters 25 (was 20)" in out
+    last = torch.load(os.path.join(broken, "last.pt"), weights_only=True)
+    assert (last["step"], last["args"]["lr_decay_iters"], last["args"]["batch_size"]) == (25, 25, 6)
+    with pytest.raises(SystemExit, match="is an iteration-based run; it cannot resume as the other kind"):
+        ts.main(["--out-dir", broken, "--resume", "--max-time", "60"])
+
+
+def test_a_time_based_run_resumes_on_its_own_budget(text_file, tmp_path, capsys, monkeypatch):
+    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TINY
+    fake_clock(monkeypatch, 1.0)
+    straight = str(tmp_path / "straight")
+    run(common + ["--out-dir", straight], capsys)
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:
+        killed_at(m, 6)
+        with pytest.raises(KeyboardInterrupt):
+            run(common + ["--out-dir", broken], capsys)
+    fake_clock(monkeypatch, 1.0)
+    out = run(["--out-dir", broken, "--resume"], capsys)  # not the 300 s default budget
+    assert "at step 4" in out
+    assert evals(broken) == evals(straight)
+    with pytest.raises(SystemExit, match="is a time-based run; it cannot resume as the other kind"):
+        ts.main(["--out-dir", broken, "--resume", "--max-iters", "30"])
+
+
+def test_a_last_pt_without_the_progress_counters_is_a_clear_error(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    path = os.path.join(out_dir, "last.pt")
+    ckpt = torch.load(path, weights_only=True)
+    for key in ("bad_evals", "evals_done", "stopped_early"):  # as written before --patience was saved
+        del ckpt[key]
+    torch.save(ckpt, path)
+    with pytest.raises(SystemExit, match=r"lacks \['bad_evals', 'evals_done'\].*cannot continue the run exactly"):
+        ts.main(["--out-dir", out_dir, "--resume", "--max-iters", "4"])
+
+
 # ------------------------------------------------------------------------------------------------
 # Independent oracles: the split and the evaluation windows rebuilt here from the text
 # ------------------------------------------------------------------------------------------------
@@ -383,6 +477,26 @@ def test_best_pt_holds_the_best_model_and_full_val_is_its_loss(text_file, tmp_pa
                                                       abs=1e-5)
 
 
+def test_best_pt_follows_the_lowest_val_loss_after_a_partial_recovery(text_file, tmp_path, capsys, monkeypatch):
+    # a curve that falls to its best, then recovers part of the way (2.2 is better than the last
+    # eval's 2.5 but not than the best 2.0): only the lowest loss so far may count as improved
+    val = iter([3.0, 2.0, 2.5, 2.2, 2.6, 2.7, 2.8, 2.9])
+    calls = []
+
+    def scripted(*args, **kwargs):  # evaluate() asks for train, then val; finish() for the full val
+        calls.append(1)
+        return 1.0 if len(calls) % 2 else next(val, 0.5)
+
+    monkeypatch.setattr(ts, "mean_loss", scripted)
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "8", "--eval-interval", "1", "--patience", "3"]
+        + TINY, capsys)
+    best = torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)
+    last = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
+    assert (best["step"], best["best_val"]) == (2, 2.0)
+    assert last["step"] == 5  # three evaluations (2.5, 2.2, 2.6) without beating 2.0
+
+
 def killed_at(monkeypatch, at_step):
     """Make the next run die (KeyboardInterrupt) as it starts the step numbered at_step + 1."""
     real_get_batch = ts.get_batch
@@ -409,6 +523,24 @@ def test_resume_after_a_kill_gives_the_same_log_and_the_same_early_stop(text_fil
     for name in ("best.pt", "last.pt"):
         assert checkpoint_loss(os.path.join(broken, name), x, y, vocab) == \
             checkpoint_loss(os.path.join(straight, name), x, y, vocab), name
+
+
+def test_a_run_that_stopped_early_stays_stopped_on_resume(text_file, tmp_path, capsys, monkeypatch):
+    straight = str(tmp_path / "straight")
+    wobbly_run(text_file, straight, capsys)
+    assert torch.load(os.path.join(straight, "last.pt"), weights_only=True)["step"] == 21  # stopped early
+    broken = str(tmp_path / "broken")
+    with monkeypatch.context() as m:  # killed after the early stop, before the end of the run
+        m.setattr(ts.Run, "finish", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            wobbly_run(text_file, broken, capsys)
+    wobbly_run(text_file, broken, capsys, ["--resume"])
+    assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
+    before = {name: open(os.path.join(straight, name), "rb").read() for name in ("best.pt", "last.pt")}
+    out = run(["--data", text_file, "--out-dir", straight, "--resume"], capsys)  # a finished run, again
+    assert "stopped early at step 21: nothing left to train" in out and "\nstep " not in out
+    assert {name: open(os.path.join(straight, name), "rb").read() for name in before} == before
+    assert [r["step"] for r in evals(straight)][-2:] == [21, 21]  # the last eval and the full-val row
 
 
 def test_a_kill_between_log_row_and_checkpoint_repeats_no_row(text_file, tmp_path, capsys, monkeypatch):
@@ -527,6 +659,11 @@ def test_resume_from_a_truncated_checkpoint_is_a_clear_error(text_file, tmp_path
     (["--min-lr=-1"], "--min-lr must be a finite number >= 0"),
     (["--patience=-1"], "--patience must be 0 or more"),
     (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0"),
+    (["--lr", "1e300"], "--lr must be a positive finite number .at most float32's"),  # AdamW's fp32 overflowed
+    (["--seed", str(10 ** 14)], r"--seed must be in \[0, 2\*\*32\)"),  # the batch seeds overflowed int64
+    (["--device", "foo"], "--device foo is not a device name"),
+    (["--device", "meta"], "--device meta: the trainer runs on cpu, cuda or mps"),
+    (["--device", "cuda:7"], r"--device cuda:7: torch finds \d cuda device"),
 ])
 def test_bad_numbers_are_refused_at_the_start(text_file, tmp_path, extra, match):
     with pytest.raises(SystemExit, match=match):
@@ -574,6 +711,39 @@ def test_bad_sampling_arguments_are_refused_before_the_prompt_is_printed(text_fi
     assert capsys.readouterr().out == ""
 
 
+def test_a_text_without_a_newline_trains_and_samples(tmp_path, capsys):
+    text = tmp_path / "one_line.txt"
+    text.write_text("to be or not to be, that is the question; " * 60)
+    out_dir = str(tmp_path / "run")
+    out = run(["--data", str(text), "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"]
+              + without(TINY, "--no-sample"), capsys)  # the end-of-run sample starts from " ", the first character
+    assert out.split("-" * 80 + "\n")[1].startswith(" ") and len(out.split("-" * 80 + "\n")[1]) == 1 + 300 + 1
+    out = run(["--sample", "--out-dir", out_dir, "--num-chars", "20"], capsys)
+    assert out.startswith(" ") and len(out) == 1 + 20 + 1
+
+
+def test_a_checkpoint_that_contradicts_itself_is_a_clear_error(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    ckpt = torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)
+    torch.save({**ckpt, "config": {**ckpt["config"], "d_model": 24}}, tmp_path / "other_size.pt")
+    with pytest.raises(SystemExit, match="other_size.pt's weights do not match its own config"):
+        ts.main(["--sample", "--checkpoint", str(tmp_path / "other_size.pt")])
+    torch.save({**ckpt, "arch": "rnn"}, tmp_path / "rnn.pt")
+    with pytest.raises(SystemExit, match="holds an unknown architecture 'rnn'"):
+        ts.main(["--sample", "--checkpoint", str(tmp_path / "rnn.pt")])
+
+
+def test_resume_skips_log_lines_with_damaged_bytes(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    common = ["--data", text_file, "--out-dir", out_dir, "--eval-interval", "2"] + TINY
+    run(common + ["--max-iters", "2"], capsys)
+    with open(os.path.join(out_dir, "log.jsonl"), "ab") as f:
+        f.write(b'{"step": 3, "val_loss": 1.0\xff\xfe}\n\xff\n')  # not UTF-8: a disk fault
+    run(common + ["--max-iters", "4", "--resume"], capsys)
+    assert [(r["step"], "val_loss" in r) for r in evals(out_dir)] == [(2, True), (4, True), (4, False)]
+
+
 def test_the_batch_windows_depend_on_the_rank(monkeypatch):
     args = argparse.Namespace(seed=1337, block_size=8, batch_size=6)
     split = torch.arange(10_000)
@@ -615,9 +785,9 @@ def defaults_for(argv):
 def test_gpt_defaults_are_nanogpts_readme_cpu_run():
     args = defaults_for(["--arch", "gpt"])
     nanogpt = dict(n_layer=4, n_head=4, d_model=128, block_size=64, batch_size=12, lr=1e-3, min_lr=1e-4,
-                   beta2=0.99, weight_decay=0.1, warmup_iters=100, lr_decay_iters=3000, max_iters=3000,
-                   grad_clip=1.0, eval_iters=20)
+                   beta2=0.99, weight_decay=0.1, warmup_iters=100, grad_clip=1.0, eval_iters=20)
     assert {k: getattr(args, k) for k in nanogpt} == nanogpt
+    assert (args.max_iters, args.lr_decay_iters) == (3000, 3000)  # ours: the README runs 2000 of each
     assert args.max_time is None  # nanoGPT's schedule counts iterations
     mamba = defaults_for([])  # the CPU default measured in the README: 5 minutes at d_state 4
     assert (mamba.arch, mamba.d_state, mamba.beta2, mamba.lr) == ("mamba", 4, 0.95, 6e-3)
@@ -632,7 +802,7 @@ def test_gpt_defaults_are_nanogpts_readme_cpu_run():
 
 
 def test_the_gpt_yardstick_is_causal_and_nanogpt_sized():
-    from bench import GPTConfig, TinyGPT
+    from gpt_minimal import GPTConfig, TinyGPT
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(vocab_size=65))
     assert sum(p.numel() for p in model.parameters()) - model.pos.weight.numel() == 795_904  # nanoGPT's "0.80M"
@@ -686,7 +856,7 @@ def trains_resumes_and_samples(arch, tiny, build, text_file, tmp_path, capsys, m
 
 
 def test_gpt_trains_resumes_and_samples_on_the_same_windows(text_file, tmp_path, capsys, monkeypatch):
-    from bench import GPTConfig, TinyGPT
+    from gpt_minimal import GPTConfig, TinyGPT
     ckpt = trains_resumes_and_samples("gpt", GPT_TINY, lambda config: TinyGPT(GPTConfig(**config)),
                                       text_file, tmp_path, capsys, monkeypatch)
     assert ckpt["config"]["n_head"] == 2

@@ -17,8 +17,8 @@ fast and a slow machine) or iteration-based (--max-iters: bit-reproducible, the 
 follows the step). Both warm up over --warmup-iters steps.
 Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
 (one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
-files there. --resume continues the exact run (the batches, the patience counter, the time
-budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
+files there. --resume continues the exact run (its flags, the batches, the patience counter, the
+time budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
 Checkpoints are loaded with torch.load(weights_only=True), so a crafted file cannot run code.
 """
 
@@ -72,9 +72,12 @@ ARCH_DEFAULTS = {
     # parameters (python bench.py mamba3); the paper (arXiv 2603.15569) reports Mamba-3 at state
     # size 64 matching Mamba-2 at 128. On a GPU, Mamba-2's choice (not measured for Mamba-3)
     "mamba3": {"cpu": dict(d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick: nanoGPT's README CPU run (config/train_shakespeare_char.py with a 4-layer,
-    # width-128 model, block 64, batch 12, dropout 0) and on a GPU its "baby GPT" (without its
-    # dropout); iteration-based, as nanoGPT's schedule is. It has no SSM state and no scan.
+    # The yardstick (gpt_minimal.py), iteration-based as nanoGPT's schedule is. On a CPU: nanoGPT's
+    # README CPU run, config/train_shakespeare_char.py (lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100)
+    # with --n_layer=4 --n_head=4 --n_embd=128 --block_size=64 --batch_size=12 --eval_iters=20
+    # --dropout=0.0, but 3000 steps of cosine decay where the README runs --max_iters=2000
+    # --lr_decay_iters=2000 (the 3000 are ours). On a GPU: that config's "baby GPT" as it stands,
+    # except its dropout 0.2 (ours: none) and its 200 eval batches (ours: 40).
     "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         max_iters=3000, lr_decay_iters=3000, max_time=None, d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
@@ -97,7 +100,7 @@ def parse_args(argv=None):
     m = p.add_argument_group("model (defaults depend on the device and the architecture)")
     m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"],
                    help="mamba (default), mamba2 (SSD, mamba2_minimal.py), mamba3 (mamba3_minimal.py) or gpt "
-                        "(the yardstick in bench.py); "
+                        "(the yardstick, gpt_minimal.py); "
                         "--resume and --sample read it from the checkpoint")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
@@ -136,25 +139,45 @@ def parse_args(argv=None):
                    help="the precision of the matmuls, through torch.autocast (default: bf16 on a GPU that computes "
                         "in it, fp16 with loss scaling on older GPUs, fp32 on a CPU or MPS); the weights, the "
                         "optimizer and the SSM state stay fp32")
-    t.add_argument("--resume", action="store_true", help="continue from <out-dir>/last.pt")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from <out-dir>/last.pt with the flags saved there; a flag given again "
+                        "applies, and a note lists what it changes (a model flag that changes the model, or "
+                        "a switch between a time-based and an iteration-based run, is refused). A run that "
+                        "ended (its budget spent, or stopped early) stays ended")
     t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
     s.add_argument("--checkpoint", help="checkpoint to sample from (default <out-dir>/best.pt)")
-    s.add_argument("--prompt", default="\n")
+    s.add_argument("--prompt", help="the text to continue (default: a newline, or the text's first character "
+                                    "in sorted order if it has no newline)")
     s.add_argument("--num-chars", type=int, default=500)
     s.add_argument("--temperature", type=float, default=0.8)
     s.add_argument("--top-k", type=int, default=None)
     args = p.parse_args(argv)
+    # which flags the command line gave: argparse fills in a default only where the namespace
+    # lacks the attribute (--resume takes every other flag from the checkpoint)
+    unset = object()
+    seen = p.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
+    args.given = sorted(k for k, v in vars(seen).items() if v is not unset)
     return args
 
 
 def pick_device(name):
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if name != "auto":
-        return torch.device(name)
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            sys.exit(f"error: --device {name} is not a device name; expected auto, cpu, cuda, cuda:N or mps")
+        if device.type not in ("cpu", "cuda", "mps"):
+            sys.exit(f"error: --device {name}: the trainer runs on cpu, cuda or mps")
+        count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(mps)}[device.type]
+        if (device.index or 0) >= count:
+            sys.exit(f"error: --device {name}: torch finds {count} {device.type} device(s)")
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+    if mps:
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -242,9 +265,11 @@ def check_numbers(args):
     for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
         value = getattr(args, key)
         need(value is None or value >= 0, key, "0 or more")
-    need(math.isfinite(args.lr) and args.lr > 0, "lr", "a positive finite number")
+    fp32_max = torch.finfo(torch.float32).max  # the optimizer computes in the parameters' fp32
+    need(0 < args.lr <= fp32_max, "lr", f"a positive finite number (at most float32's {fp32_max:.2e})")
     for key in ("min_lr", "weight_decay", "grad_clip", "temperature"):
-        need(math.isfinite(getattr(args, key)) and getattr(args, key) >= 0, key, "a finite number >= 0")
+        need(0 <= getattr(args, key) <= fp32_max, key, f"a finite number >= 0 (at most float32's {fp32_max:.2e})")
+    need(0 <= args.seed < 2 ** 32, "seed", "in [0, 2**32)")  # the batch seeds derived from it fit in 64 bits
     need(args.top_k is None or args.top_k >= 1, "top_k", "at least 1")
     need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
 
@@ -306,6 +331,9 @@ def load_checkpoint(path):
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         sys.exit(f"error: {path} is not a checkpoint of this trainer (it lacks {missing})")
+    if ckpt.get("arch", "mamba") not in ARCH_DEFAULTS:
+        sys.exit(f"error: {path} holds an unknown architecture {ckpt['arch']!r} (this trainer builds "
+                 f"{', '.join(ARCH_DEFAULTS)})")
     return ckpt
 
 
@@ -315,11 +343,13 @@ def truncate_log(log_path, step):
     (full_val_loss) belongs to an end that the resumed run will reach again."""
     rows = []
     if os.path.exists(log_path):
-        with open(log_path) as f:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by the kill
+                    continue
+                if not isinstance(row, dict) or not isinstance(row.get("step"), int):  # damaged bytes
                     continue
                 if "val_loss" in row and row["step"] <= step:
                     rows.append(line if line.endswith("\n") else line + "\n")
@@ -407,7 +437,7 @@ def windows(split, starts, block_size, device):
 
 # ------------------------------------------------------------------------------------------------
 # The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), Mamba-3 (mamba3_minimal.py),
-# the GPT yardstick (bench.py)
+# the GPT yardstick (gpt_minimal.py)
 # ------------------------------------------------------------------------------------------------
 
 def arch_classes(arch):
@@ -421,7 +451,7 @@ def arch_classes(arch):
         if arch == "mamba3":
             from mamba3_minimal import Mamba3Config, Mamba3LM
             return Mamba3Config, Mamba3LM
-        from bench import GPTConfig, TinyGPT
+        from gpt_minimal import GPTConfig, TinyGPT
         return GPTConfig, TinyGPT
     except ImportError as err:
         sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
@@ -494,6 +524,13 @@ def mean_loss(model, split, starts, args, device, autocast):
     return (total[0] / total[1]).item()
 
 
+def rank0_value(x, device):
+    """The float x as process 0 holds it, in every process."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return t.item()
+
+
 def mean_over_processes(loss):
     """The training loss averaged over all processes (each saw its own batch), as a float."""
     loss = loss.detach().float()
@@ -545,11 +582,11 @@ def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None
     """Stream num_chars characters after the prompt, one O(1) recurrent step per character."""
     out = out or sys.stdout
     stoi = {c: i for i, c in enumerate(chars)}
+    if not prompt:  # a text without a newline has none in its vocabulary
+        prompt = "\n" if "\n" in stoi else chars[0]
     unknown = sorted(set(prompt) - set(stoi))
     if unknown:
         raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
-    if not prompt:
-        prompt = "\n" if "\n" in stoi else chars[0]
     ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
     out.write(prompt)
     for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
@@ -565,7 +602,11 @@ def load_for_sampling(args, device):
     ckpt = load_checkpoint(path)
     model = build_model(ckpt.get("arch", "mamba"), ckpt["config"])
     set_compiled(model, False)  # a prompt is read once: compiling for it costs more than it saves
-    model.load_state_dict(ckpt["model"])
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, TypeError, AttributeError) as err:
+        sys.exit(f"error: {path}'s weights do not match its own config (a damaged or hand-made checkpoint): "
+                 f"{first_line(err)}")
     return model.to(device).eval(), ckpt
 
 
@@ -589,6 +630,7 @@ class Progress:
     elapsed: float = 0.0  # seconds of training, compiling and evaluating: what --max-time counts
     tokens: int = 0
     evals_done: int = 0  # time-based runs: how many of the budget's evaluation points have passed
+    stopped_early: bool = False  # --patience ended the run: a resume has nothing left to train
 
 
 def start_processes(args):
@@ -616,7 +658,41 @@ def read_last_checkpoint(args):
     if args.arch not in (None, arch):
         sys.exit(f"error: {path} holds a {arch} model, not {args.arch}; drop --arch to resume it")
     args.arch = arch
+    resume_flags(args, ckpt.get("args"), path)
     return ckpt
+
+
+NOT_RESUMED = ("resume", "given", "out_dir", "device", "sample", "checkpoint", "prompt", "num_chars")
+DERIVED = {"min_lr": "lr", "lr_decay_iters": "max_iters"}  # by default computed from another flag
+
+
+def resume_flags(args, saved, path):
+    """--resume continues the run with its own settings: each flag not given again takes its value
+    from last.pt; each one given again applies, with a note (the model's flags are then checked
+    against the saved model)."""
+    if not isinstance(saved, dict):
+        log(f"note: {path} does not record its run's flags; the flags given and the defaults apply")
+        return
+    time_based = saved.get("max_time") is not None
+    kind, other = (TIME_FLAGS, ITERATION_FLAGS) if time_based else (ITERATION_FLAGS, TIME_FLAGS)
+    switched = [k for k in other if k in args.given and getattr(args, k) is not None]
+    if switched:
+        sys.exit(f"error: {path} is {'a time-based' if time_based else 'an iteration-based'} run; it cannot "
+                 f"resume as the other kind ({', '.join(flag(k) for k in switched)}): give "
+                 f"{' / '.join(flag(k) for k in kind)} to change its budget, or use a new --out-dir")
+    saved_given = set(saved.get("given", ()))
+    changed = []
+    for key, value in saved.items():
+        applies = args.arch in ARCH_FLAGS.get(key, (args.arch,))  # a flag of another arch stays unset
+        if key in NOT_RESUMED or key in other or not hasattr(args, key) or not applies:
+            continue
+        if key in args.given:
+            if getattr(args, key) != value:
+                changed.append(f"{flag(key)} {getattr(args, key)} (was {value})")
+        elif not (key in DERIVED and key not in saved_given and DERIVED[key] in args.given):
+            setattr(args, key, value)  # a derived value follows its flag, if that is given again
+    if changed:
+        log(f"note: resuming with {', '.join(changed)}")
 
 
 class Run:
@@ -676,6 +752,13 @@ class Run:
         self.model = wrap(self.raw_model, args.compile_model, ddp, device)
 
     def resume(self, ckpt):
+        needed = ["optimizer", "torch_rng"] + [f.name for f in fields(Progress) if f.name != "stopped_early"]
+        missing = [k for k in needed if k not in ckpt]
+        if missing:
+            sys.exit(f"error: {self.last_path} lacks {missing}, which this trainer saves in every last.pt "
+                     f"(a checkpoint of an older version of it, or not a last.pt), so it cannot continue the "
+                     f"run exactly; start a new run (another --out-dir keeps this one), or sample from it "
+                     f"with --sample --checkpoint {self.last_path}")
         if ckpt["vocab"] != self.chars:
             sys.exit(f"error: {self.last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
                      f"characters, this text has {len(self.chars)}); use the same --data or a new --out-dir")
@@ -687,7 +770,7 @@ class Run:
         torch.set_rng_state(ckpt["torch_rng"])
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
-        self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress)})
+        self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress) if f.name in ckpt})
         if RANK == 0:
             truncate_log(self.log_path, self.p.step)
         log(f"resumed from {self.last_path} at step {self.p.step} (best val {self.p.best_val:.4f})")
@@ -713,6 +796,7 @@ class Run:
         improved = val_loss < p.best_val
         p.best_val = min(p.best_val, val_loss)
         p.bad_evals = 0 if improved else p.bad_evals + 1
+        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # saved with the run's end
         log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
             f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
         if RANK == 0:
@@ -731,7 +815,10 @@ class Run:
         t_start = t_last = clock()
         step_at_last = step_at_start = p.step
         elapsed_before = p.elapsed
-        while p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time:
+        if p.stopped_early:
+            log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
+        while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
+                                       else p.elapsed < args.max_time):
             lr = lr_at(args, p.step, p.elapsed)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -750,6 +837,11 @@ class Run:
             p.tokens += tokens_per_step
             now = clock()  # the only clock reading of the step
             p.elapsed = elapsed_before + now - t_start
+            if args.max_time is not None and WORLD > 1:
+                # the processes' clocks differ by milliseconds: each deciding on its own clock whether
+                # an eval point or the end has passed would, near one, send them into different
+                # collectives. Rank 0's clock decides for all
+                p.elapsed = rank0_value(p.elapsed, self.device)
             first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
             if p.step % args.log_interval == 0 or first_step:
                 loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
@@ -773,9 +865,8 @@ class Run:
                 p.evals_done = points
             if due:
                 self.evaluate()
-                if args.patience and p.bad_evals >= args.patience:
+                if p.stopped_early:
                     log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
-                    break
 
     # -------------------------------------------------------------------- the end
     def finish(self):
@@ -797,7 +888,7 @@ class Run:
             self.append_log(full_val_loss=full_val)
             if not args.no_sample:
                 print("-" * 80)
-                sample(self.raw_model.eval(), self.chars, "\n", 300, args.temperature, args.top_k, self.device)
+                sample(self.raw_model.eval(), self.chars, None, 300, args.temperature, args.top_k, self.device)
 
 
 def main(argv=None):
