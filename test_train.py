@@ -787,8 +787,9 @@ def test_gpt_defaults_are_nanogpts_readme_cpu_run():
     nanogpt = dict(n_layer=4, n_head=4, d_model=128, block_size=64, batch_size=12, lr=1e-3, min_lr=1e-4,
                    beta2=0.99, weight_decay=0.1, warmup_iters=100, grad_clip=1.0, eval_iters=20)
     assert {k: getattr(args, k) for k in nanogpt} == nanogpt
-    assert (args.max_iters, args.lr_decay_iters) == (3000, 3000)  # ours: the README runs 2000 of each
-    assert args.max_time is None  # nanoGPT's schedule counts iterations
+    assert (args.max_time, args.max_iters) == (300.0, None)  # the same budget as every model, schedule fitted
+    readme = defaults_for(["--arch", "gpt", "--max-iters", "2000"])  # the README's own run
+    assert (readme.max_iters, readme.lr_decay_iters, readme.max_time) == (2000, 2000, None)
     mamba = defaults_for([])  # the CPU default measured in the README: 5 minutes at d_state 4
     assert (mamba.arch, mamba.d_state, mamba.beta2, mamba.lr) == ("mamba", 4, 0.95, 6e-3)
     assert (mamba.max_time, mamba.max_iters) == (300.0, None)
@@ -816,7 +817,8 @@ def test_the_gpt_yardstick_is_causal_and_nanogpt_sized():
 
 
 GPT_TINY = ["--arch", "gpt", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--block-size", "16",
-            "--batch-size", "4", "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--log-interval", "1",
+            "--batch-size", "4", "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--lr-decay-iters", "1000",
+            "--log-interval", "1",
             "--no-sample"]
 
 
