@@ -9,8 +9,10 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
-The script reads top to bottom: settings, data, the models (--arch mamba, mamba2, mamba3 or gpt), evaluation,
-sampling, then the whole run: set up or resume, the loop, the end.
+The first part reads like nanoGPT's train.py: settings, data, the models (--arch mamba, mamba2,
+mamba3 or gpt), the learning rate, one training step, evaluation, sampling, then the run itself (set
+up or resume, the loop, the end). The plumbing comes after it: flags and their checks, the device and
+precision, logs, atomic checkpoints, exact resumption, torchrun.
 A run is either time-based (--max-time, the CPU default of 300 s: the learning rate's decay, the
 evaluations and the stop follow the fraction of the time budget spent, so the same curve fits a
 fast and a slow machine) or iteration-based (--max-iters: bit-reproducible, the learning rate
@@ -19,7 +21,8 @@ Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss)
 (one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
 files there. --resume continues the exact run (its flags, the batches, the patience counter, the
 time budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
-Checkpoints are loaded with torch.load(weights_only=True), so a crafted file cannot run code.
+Checkpoints are loaded with torch.load(weights_only=True), which unpickles tensors and plain
+containers only, never arbitrary objects.
 """
 
 import argparse
@@ -47,8 +50,8 @@ DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 DEFAULTS = {
     # a 0.76M-parameter model for a laptop CPU, trained for 5 minutes whatever the machine's speed.
     # d_state 4, not the official 16: at equal steps the loss is the same on this character-level
-    # task (1.658 vs 1.665 at step 900), and a step costs about half, so 5 minutes hold twice the
-    # steps, as many as the fused compiled path gives at N = 16 (README, "Training on Tiny Shakespeare")
+    # task (1.658 vs 1.665 at step 900), and an eager step costs about half (python bench.py train),
+    # so 5 minutes hold twice the steps; --compile pays at N = 16 only
     "cpu": dict(d_model=128, n_layer=7, d_state=4, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
                 beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
                 max_time=300.0, num_evals=10),
@@ -91,6 +94,397 @@ ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "m
 # from the text. Module-level, so that log, get_batch and loss_fn need no extra arguments.
 RANK, WORLD, VOCAB_SIZE = 0, 1, None
 
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+
+def read_text(path):
+    if path is None:
+        path = DEFAULT_DATA
+        if not os.path.exists(path):
+            if RANK == 0:
+                print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                try:
+                    with urllib.request.urlopen(DATA_URL, timeout=30) as r:
+                        data = r.read()
+                except OSError as err:
+                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nDownload it by hand to "
+                             f"{path}, or pass any UTF-8 text file with --data PATH.")
+                tmp = path + ".part"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            if WORLD > 1:
+                dist.barrier()
+    if os.path.isdir(path):
+        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
+    if not os.path.isfile(path):
+        sys.exit(f"error: data file {path} does not exist")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
+        sys.exit(f"error: data file {path} is empty")
+    if b"\0" in raw:
+        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
+
+
+def get_batch(split, step, args, device):
+    """A batch of random windows. The windows are a function of (seed, rank, step) alone, so a
+    resumed run sees exactly the batches the uninterrupted run would have seen."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + RANK * 10_007 + step)
+    ix = torch.randint(len(split) - args.block_size, (args.batch_size,), generator=g)
+    return windows(split, ix, args.block_size, device)
+
+
+def windows(split, starts, block_size, device):
+    starts = starts.tolist()
+    x = torch.stack([split[i:i + block_size] for i in starts])  # (B, T)
+    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (B, T)
+    if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: the loop goes on
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), Mamba-3 (mamba3_minimal.py),
+# the GPT yardstick (gpt_minimal.py)
+# ------------------------------------------------------------------------------------------------
+
+def arch_classes(arch):
+    """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
+    if arch == "mamba":
+        return MambaConfig, MambaLM
+    try:
+        if arch == "mamba2":
+            from mamba2_minimal import Mamba2Config, Mamba2LM
+            return Mamba2Config, Mamba2LM
+        if arch == "mamba3":
+            from mamba3_minimal import Mamba3Config, Mamba3LM
+            return Mamba3Config, Mamba3LM
+        from gpt_minimal import GPTConfig, TinyGPT
+        return GPTConfig, TinyGPT
+    except ImportError as err:
+        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
+
+
+def model_kwargs(args, vocab_size):
+    kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
+    if args.arch == "mamba":
+        kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
+                  recompute=args.recompute)
+    elif args.arch == "mamba2":
+        # a training block is then one chunk or a few: the official chunk of 256 would pad a
+        # 64-character block four times over
+        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
+                  compile_mixer=args.compile)
+    elif args.arch == "mamba3":
+        # a block is one chunk (SISO); with MIMO the official recommendation, 64 / rank
+        rank = args.mimo_rank or 1
+        kw.update(d_state=args.d_state, headdim=args.headdim, is_mimo=args.mimo_rank is not None,
+                  mimo_rank=rank, chunk_size=max(1, min(64, args.block_size) // rank))
+    else:
+        kw.update(n_head=args.n_head, block_size=args.block_size)
+    return kw
+
+
+def build_model(arch, config):
+    """config: a dict of the architecture's config fields, from the flags or a checkpoint."""
+    config_class, model_class = arch_classes(arch)
+    try:
+        return model_class(config_class(**config))
+    except (TypeError, ValueError) as err:
+        sys.exit(f"error: cannot build the {arch} model: {err}")
+
+
+def config_dict(model):
+    return dict(vars(model.cfg))
+
+
+def set_compiled(model, value):
+    """Turn the compiled path of a Mamba or Mamba-2 model on or off (a no-op for the GPT)."""
+    for field in ("compile_scan", "compile_mixer"):  # Mamba's and Mamba-2's
+        if hasattr(model.cfg, field):
+            setattr(model.cfg, field, value)
+
+
+# ------------------------------------------------------------------------------------------------
+# The learning rate: warmup, then a cosine decay over the steps or over the time budget
+# ------------------------------------------------------------------------------------------------
+
+def lr_at(args, step, elapsed):
+    """The learning rate of the next step: linear warmup over --warmup-iters steps, then cosine
+    decay to min_lr (as in nanoGPT). An iteration-based run measures the decay in steps; a
+    time-based run in the fraction of --max-time spent before this step. The warmup counts steps
+    in both: it is there for AdamW, whose moment estimates need a few steps, however long they
+    take (a first step that compiles for 30 s would otherwise use up a warmup measured in time)."""
+    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # the step's end
+    if args.max_time is None:
+        if step < args.warmup_iters:
+            return args.lr * warm
+        progress, start, end = step, args.warmup_iters, args.lr_decay_iters
+    else:
+        progress, start, end = elapsed / args.max_time, 0.0, 1.0
+    if progress >= end:
+        return args.min_lr * warm
+    ratio = (progress - start) / (end - start)  # 0 -> 1 over the decay
+    return warm * (args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr))
+
+
+# ------------------------------------------------------------------------------------------------
+# One training step
+# ------------------------------------------------------------------------------------------------
+
+def train_step(model, optimizer, x, y, args, autocast, scaler=None):
+    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
+    scaler: --dtype fp16's GradScaler (see precision), or None."""
+    loss = loss_fn(model, x, y, autocast)
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is None:
+        loss.backward()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # the true gradients, for clipping
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # skipped if a gradient overflowed
+        scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation
+# ------------------------------------------------------------------------------------------------
+
+def loss_fn(model, x, y, autocast):
+    with autocast:
+        logits = model(x)  # (B, T, padded vocab)
+    logits = logits[..., :VOCAB_SIZE].float()  # the padded rows are not characters
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def mean_loss(model, split, starts, args, device, autocast):
+    """Mean loss over fixed windows, split across processes and averaged."""
+    model.eval()
+    mine = starts[RANK::WORLD]
+    loss_sum = torch.zeros((), device=device)
+    for i in range(0, len(mine), args.batch_size):
+        x, y = windows(split, mine[i:i + args.batch_size], args.block_size, device)
+        loss_sum += loss_fn(model, x, y, autocast) * len(x)
+    total = torch.stack([loss_sum, torch.tensor(float(len(mine)), device=device)])  # (sum of losses, count)
+    if WORLD > 1:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling
+# ------------------------------------------------------------------------------------------------
+
+def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None):
+    """Stream num_chars characters after the prompt, one O(1) recurrent step per character."""
+    out = out or sys.stdout
+    stoi = {c: i for i, c in enumerate(chars)}
+    if not prompt:  # a text without a newline has none in its vocabulary
+        prompt = "\n" if "\n" in stoi else chars[0]
+    unknown = sorted(set(prompt) - set(stoi))
+    if unknown:
+        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
+    ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
+    out.write(prompt)
+    for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
+        out.write(chars[token.item()])
+        out.flush()
+    out.write("\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole run
+# ------------------------------------------------------------------------------------------------
+
+class Run:
+    """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
+
+    def __init__(self, args, device, ddp, ckpt=None):
+        global VOCAB_SIZE
+        self.args, self.device, self.ddp = args, device, ddp
+        self.last_path = os.path.join(args.out_dir, "last.pt")
+        self.best_path = os.path.join(args.out_dir, "best.pt")
+        self.log_path = os.path.join(args.out_dir, "log.jsonl")
+
+        # ---------------------------------------------------------------- data
+        text = read_text(args.data)
+        self.chars = "".join(sorted(set(text)))
+        VOCAB_SIZE = len(self.chars)
+        stoi = {c: i for i, c in enumerate(self.chars)}
+        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+        n_train = int(0.9 * len(data))
+        self.train_data, self.val_data = data[:n_train], data[n_train:]
+        if len(self.val_data) <= args.block_size:
+            sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
+                     f"({len(self.val_data)}) must be longer than one block ({args.block_size}). "
+                     f"Use a longer text or a smaller --block-size.")
+        # the same windows at every evaluation, so the curve measures the model, not the sample
+        g = torch.Generator().manual_seed(1234)
+        n_eval = args.eval_iters * args.batch_size
+        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
+        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
+
+        # ---------------------------------------------------------------- model and optimizer
+        self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
+        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
+                                           betas=(0.9, args.beta2),
+                                           **({"fused": True} if device.type == "cuda" else {}))
+        self.autocast, self.scaler = precision(device, args.dtype)
+
+        # ---------------------------------------------------------------- fresh start or resume
+        self.p = Progress()  # step, elapsed time, best val loss, ...: what a checkpoint saves
+        start_or_resume(self, ckpt)
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
+            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
+            f"{torch.get_num_threads()} thread(s), {args.dtype}")
+        self.model = wrap(self.raw_model, args.compile_model, ddp, device)
+
+    def evaluate(self):
+        args, p = self.args, self.p
+        train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
+        val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
+        if not math.isfinite(val_loss):
+            sys.exit(f"error: the val loss is {val_loss} at step {p.step}: the run diverged; "
+                     f"try a lower --lr (now {args.lr:g})")
+        improved = val_loss < p.best_val
+        p.best_val = min(p.best_val, val_loss)
+        p.bad_evals = 0 if improved else p.bad_evals + 1
+        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # saved with the run's end
+        log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
+            f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
+        if RANK == 0:
+            append_log(self, train_loss=train_loss, val_loss=val_loss)
+            if improved:
+                save_checkpoint(self, self.best_path)
+            save_checkpoint(self, self.last_path)
+
+    # -------------------------------------------------------------------- the loop
+    def train(self):
+        args, p = self.args, self.p
+        tokens_per_step = args.batch_size * args.block_size * WORLD
+        if args.compile or args.compile_model:
+            log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
+        self.model.train()
+        t_start = t_last = clock()
+        step_at_last = step_at_start = p.step
+        elapsed_before = p.elapsed
+        if p.stopped_early:
+            log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
+        while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
+                                       else p.elapsed < args.max_time):
+            lr = lr_at(args, p.step, p.elapsed)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            x, y = get_batch(self.train_data, p.step, args, self.device)
+            try:
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
+            except Exception as err:  # the compiler runs at the first step: is there a working one?
+                loss = train_eagerly_after(err, self, x, y, first_step=p.step == step_at_start)
+            p.step += 1
+            p.tokens += tokens_per_step
+            now = clock()  # the only clock reading of the step
+            p.elapsed = elapsed_before + now - t_start
+            if args.max_time is not None and WORLD > 1:
+                # the processes' clocks differ by milliseconds: each deciding on its own clock whether
+                # an eval point or the end has passed would, near one, send them into different
+                # collectives. Rank 0's clock decides for all
+                p.elapsed = rank0_value(p.elapsed, self.device)
+            first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
+            if p.step % args.log_interval == 0 or first_step:
+                loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
+                if not math.isfinite(loss_value):
+                    sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
+                             f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
+                dt = (now - t_last) / max(1, p.step - step_at_last)
+                t_last, step_at_last = now, p.step
+                if args.max_time is None:
+                    where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
+                else:
+                    where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
+                speed = (f"first step {dt:.1f}s" if first_step else
+                         f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
+                log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
+            if args.max_time is None:
+                due = p.step % args.eval_interval == 0 or p.step == args.max_iters
+            else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
+                points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
+                due = points > p.evals_done or p.elapsed >= args.max_time
+                p.evals_done = points
+            if due:
+                self.evaluate()
+                if p.stopped_early:
+                    log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
+
+    # -------------------------------------------------------------------- the end
+    def finish(self):
+        """The best checkpoint's loss on the whole val split, and a sample from it."""
+        args = self.args
+        if WORLD > 1:
+            dist.barrier()  # rank 0 has finished writing best.pt
+        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
+        starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
+        # eager, even after --compile-model: its last, smaller batch would cost a compile of its own
+        set_compiled(self.raw_model, False)
+        full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
+        log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
+            f"loss {full_val:.4f} (best checkpoint)")
+        if self.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
+            log(f"peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB "
+                f"(torch.cuda.max_memory_allocated, --dtype {args.dtype})")
+        if RANK == 0:
+            append_log(self, full_val_loss=full_val)
+            if not args.no_sample:
+                print("-" * 80)
+                sample(self.raw_model.eval(), self.chars, None, 300, args.temperature, args.top_k, self.device)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ddp, device = start_processes(args)
+    ckpt = read_last_checkpoint(args) if args.resume and not args.sample else None
+    fill_defaults(args, device)
+    torch.manual_seed(args.seed)
+    if args.sample:
+        model, sampled = load_for_sampling(args, device)
+        try:
+            if RANK == 0:
+                sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
+        except ValueError as err:
+            sys.exit(f"error: {err}")
+    else:
+        if RANK == 0:
+            check_out_dir(args.out_dir)
+        run = Run(args, device, ddp, ckpt)
+        run.train()
+        run.finish()
+    if ddp:
+        dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
+        dist.destroy_process_group()
+
+
+# ================================================================================================
+# Plumbing. The training script ends above; what follows makes a run safe to use and to resume:
+# the command line and its checks, the device and precision, the clock and the log, atomic
+# checkpoints, exact resumption, and several processes under torchrun.
+# ================================================================================================
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,25 +675,6 @@ def clock():
     return time.perf_counter()
 
 
-def lr_at(args, step, elapsed):
-    """The learning rate of the next step: linear warmup over --warmup-iters steps, then cosine
-    decay to min_lr (as in nanoGPT). An iteration-based run measures the decay in steps; a
-    time-based run in the fraction of --max-time spent before this step. The warmup counts steps
-    in both: it is there for AdamW, whose moment estimates need a few steps, however long they
-    take (a first step that compiles for 30 s would otherwise use up a warmup measured in time)."""
-    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # the step's end
-    if args.max_time is None:
-        if step < args.warmup_iters:
-            return args.lr * warm
-        progress, start, end = step, args.warmup_iters, args.lr_decay_iters
-    else:
-        progress, start, end = elapsed / args.max_time, 0.0, 1.0
-    if progress >= end:
-        return args.min_lr * warm
-    ratio = (progress - start) / (end - start)  # 0 -> 1 over the decay
-    return warm * (args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr))
-
-
 def log(*a):
     if RANK == 0:
         print(*a, flush=True)
@@ -379,152 +754,6 @@ def check_out_dir(out_dir):
         sys.exit(f"error: cannot write to --out-dir {out_dir} ({err.strerror or err})")
 
 
-# ------------------------------------------------------------------------------------------------
-# Data
-# ------------------------------------------------------------------------------------------------
-
-def read_text(path):
-    if path is None:
-        path = DEFAULT_DATA
-        if not os.path.exists(path):
-            if RANK == 0:
-                print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                try:
-                    with urllib.request.urlopen(DATA_URL, timeout=30) as r:
-                        data = r.read()
-                except OSError as err:
-                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nDownload it by hand to "
-                             f"{path}, or pass any UTF-8 text file with --data PATH.")
-                tmp = path + ".part"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            if WORLD > 1:
-                dist.barrier()
-    if os.path.isdir(path):
-        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
-    if not os.path.isfile(path):
-        sys.exit(f"error: data file {path} does not exist")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if not raw:
-        sys.exit(f"error: data file {path} is empty")
-    if b"\0" in raw:
-        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
-                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
-
-
-def get_batch(split, step, args, device):
-    """A batch of random windows. The windows are a function of (seed, rank, step) alone, so a
-    resumed run sees exactly the batches the uninterrupted run would have seen."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + RANK * 10_007 + step)
-    ix = torch.randint(len(split) - args.block_size, (args.batch_size,), generator=g)
-    return windows(split, ix, args.block_size, device)
-
-
-def windows(split, starts, block_size, device):
-    starts = starts.tolist()
-    x = torch.stack([split[i:i + block_size] for i in starts])  # (B, T)
-    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (B, T)
-    if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: the loop goes on
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
-# ------------------------------------------------------------------------------------------------
-# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), Mamba-3 (mamba3_minimal.py),
-# the GPT yardstick (gpt_minimal.py)
-# ------------------------------------------------------------------------------------------------
-
-def arch_classes(arch):
-    """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
-    if arch == "mamba":
-        return MambaConfig, MambaLM
-    try:
-        if arch == "mamba2":
-            from mamba2_minimal import Mamba2Config, Mamba2LM
-            return Mamba2Config, Mamba2LM
-        if arch == "mamba3":
-            from mamba3_minimal import Mamba3Config, Mamba3LM
-            return Mamba3Config, Mamba3LM
-        from gpt_minimal import GPTConfig, TinyGPT
-        return GPTConfig, TinyGPT
-    except ImportError as err:
-        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
-
-
-def model_kwargs(args, vocab_size):
-    kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
-    if args.arch == "mamba":
-        kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
-                  recompute=args.recompute)
-    elif args.arch == "mamba2":
-        # a training block is then one chunk or a few: the official chunk of 256 would pad a
-        # 64-character block four times over
-        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
-                  compile_mixer=args.compile)
-    elif args.arch == "mamba3":
-        # a block is one chunk (SISO); with MIMO the official recommendation, 64 / rank
-        rank = args.mimo_rank or 1
-        kw.update(d_state=args.d_state, headdim=args.headdim, is_mimo=args.mimo_rank is not None,
-                  mimo_rank=rank, chunk_size=max(1, min(64, args.block_size) // rank))
-    else:
-        kw.update(n_head=args.n_head, block_size=args.block_size)
-    return kw
-
-
-def build_model(arch, config):
-    """config: a dict of the architecture's config fields, from the flags or a checkpoint."""
-    config_class, model_class = arch_classes(arch)
-    try:
-        return model_class(config_class(**config))
-    except (TypeError, ValueError) as err:
-        sys.exit(f"error: cannot build the {arch} model: {err}")
-
-
-def config_dict(model):
-    return dict(vars(model.cfg))
-
-
-def set_compiled(model, value):
-    """Turn the compiled path of a Mamba or Mamba-2 model on or off (a no-op for the GPT)."""
-    for field in ("compile_scan", "compile_mixer"):  # Mamba's and Mamba-2's
-        if hasattr(model.cfg, field):
-            setattr(model.cfg, field, value)
-
-
-# ------------------------------------------------------------------------------------------------
-# Evaluation
-# ------------------------------------------------------------------------------------------------
-
-def loss_fn(model, x, y, autocast):
-    with autocast:
-        logits = model(x)  # (B, T, padded vocab)
-    logits = logits[..., :VOCAB_SIZE].float()  # the padded rows are not characters
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-@torch.no_grad()
-def mean_loss(model, split, starts, args, device, autocast):
-    """Mean loss over fixed windows, split across processes and averaged."""
-    model.eval()
-    mine = starts[RANK::WORLD]
-    loss_sum = torch.zeros((), device=device)
-    for i in range(0, len(mine), args.batch_size):
-        x, y = windows(split, mine[i:i + args.batch_size], args.block_size, device)
-        loss_sum += loss_fn(model, x, y, autocast) * len(x)
-    total = torch.stack([loss_sum, torch.tensor(float(len(mine)), device=device)])  # (sum of losses, count)
-    if WORLD > 1:
-        dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item()
-
-
 def rank0_value(x, device):
     """The float x as process 0 holds it, in every process."""
     t = torch.tensor([x], dtype=torch.float64, device=device)
@@ -542,30 +771,6 @@ def mean_over_processes(loss):
     return loss.item()
 
 
-# ------------------------------------------------------------------------------------------------
-# One training step
-# ------------------------------------------------------------------------------------------------
-
-def train_step(model, optimizer, x, y, args, autocast, scaler=None):
-    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
-    scaler: --dtype fp16's GradScaler (see precision), or None."""
-    loss = loss_fn(model, x, y, autocast)
-    optimizer.zero_grad(set_to_none=True)
-    if scaler is None:
-        loss.backward()
-    else:
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)  # the true gradients, for clipping
-    if args.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)  # skipped if a gradient overflowed
-        scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
-    return loss
-
-
 def wrap(raw_model, compile_model, ddp, device):
     """The model the loop calls: maybe compiled whole, maybe wrapped for data parallelism (DDP
     averages the gradients of all processes during backward)."""
@@ -573,27 +778,6 @@ def wrap(raw_model, compile_model, ddp, device):
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
-
-
-# ------------------------------------------------------------------------------------------------
-# Sampling
-# ------------------------------------------------------------------------------------------------
-
-def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None):
-    """Stream num_chars characters after the prompt, one O(1) recurrent step per character."""
-    out = out or sys.stdout
-    stoi = {c: i for i, c in enumerate(chars)}
-    if not prompt:  # a text without a newline has none in its vocabulary
-        prompt = "\n" if "\n" in stoi else chars[0]
-    unknown = sorted(set(prompt) - set(stoi))
-    if unknown:
-        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
-    ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
-    out.write(prompt)
-    for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
-        out.write(chars[token.item()])
-        out.flush()
-    out.write("\n")
 
 
 def load_for_sampling(args, device):
@@ -610,10 +794,6 @@ def load_for_sampling(args, device):
                  f"{first_line(err)}")
     return model.to(device).eval(), ckpt
 
-
-# ------------------------------------------------------------------------------------------------
-# The whole run
-# ------------------------------------------------------------------------------------------------
 
 RUNTIME_FIELDS = ("scan_backend", "compile_scan", "compile_mixer", "chunk_size", "recompute")  # free to change on resume
 
@@ -696,224 +876,73 @@ def resume_flags(args, saved, path):
         log(f"note: resuming with {', '.join(changed)}")
 
 
-class Run:
-    """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
-
-    def __init__(self, args, device, ddp, ckpt=None):
-        global VOCAB_SIZE
-        self.args, self.device, self.ddp = args, device, ddp
-        self.last_path = os.path.join(args.out_dir, "last.pt")
-        self.best_path = os.path.join(args.out_dir, "best.pt")
-        self.log_path = os.path.join(args.out_dir, "log.jsonl")
-
-        # ---------------------------------------------------------------- data
-        text = read_text(args.data)
-        self.chars = "".join(sorted(set(text)))
-        VOCAB_SIZE = len(self.chars)
-        stoi = {c: i for i, c in enumerate(self.chars)}
-        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-        n_train = int(0.9 * len(data))
-        self.train_data, self.val_data = data[:n_train], data[n_train:]
-        if len(self.val_data) <= args.block_size:
-            sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
-                     f"({len(self.val_data)}) must be longer than one block ({args.block_size}). "
-                     f"Use a longer text or a smaller --block-size.")
-        # the same windows at every evaluation, so the curve measures the model, not the sample
-        g = torch.Generator().manual_seed(1234)
-        n_eval = args.eval_iters * args.batch_size
-        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
-        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
-
-        # ---------------------------------------------------------------- model and optimizer
-        self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
-        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
-                                           betas=(0.9, args.beta2),
-                                           **({"fused": True} if device.type == "cuda" else {}))
-        self.autocast, self.scaler = precision(device, args.dtype)
-
-        # ---------------------------------------------------------------- fresh start or resume
-        if RANK == 0:
-            for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
-                os.remove(tmp)
-        self.p = Progress()
-        if ckpt is not None:
-            self.resume(ckpt)
-        else:
-            if os.path.exists(self.last_path):
-                log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
-                    f"log (use --resume to continue it, or another --out-dir to keep it)")
-            if RANK == 0:  # a fresh run never reads, nor ends on, an earlier run's files
-                for path in (self.log_path, self.best_path, self.last_path):
-                    if os.path.exists(path):
-                        os.remove(path)
-        n_params = sum(p.numel() for p in self.raw_model.parameters())
-        log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
-            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
-            f"{torch.get_num_threads()} thread(s), {args.dtype}")
-        self.model = wrap(self.raw_model, args.compile_model, ddp, device)
-
-    def resume(self, ckpt):
-        needed = ["optimizer", "torch_rng"] + [f.name for f in fields(Progress) if f.name != "stopped_early"]
-        missing = [k for k in needed if k not in ckpt]
-        if missing:
-            sys.exit(f"error: {self.last_path} lacks {missing}, which this trainer saves in every last.pt "
-                     f"(a checkpoint of an older version of it, or not a last.pt), so it cannot continue the "
-                     f"run exactly; start a new run (another --out-dir keeps this one), or sample from it "
-                     f"with --sample --checkpoint {self.last_path}")
-        if ckpt["vocab"] != self.chars:
-            sys.exit(f"error: {self.last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
-                     f"characters, this text has {len(self.chars)}); use the same --data or a new --out-dir")
-        if model_identity(ckpt["config"]) != model_identity(config_dict(self.raw_model)):
-            sys.exit(f"error: {self.last_path} holds another model config {ckpt['config']}; "
-                     f"resume with the same model flags or use a new --out-dir")
-        self.raw_model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        torch.set_rng_state(ckpt["torch_rng"])
-        if self.scaler is not None and ckpt.get("scaler"):
-            self.scaler.load_state_dict(ckpt["scaler"])
-        self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress) if f.name in ckpt})
-        if RANK == 0:
-            truncate_log(self.log_path, self.p.step)
-        log(f"resumed from {self.last_path} at step {self.p.step} (best val {self.p.best_val:.4f})")
-
-    def save(self, path):
-        atomic_save({"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                     "arch": self.args.arch, "config": config_dict(self.raw_model), "vocab": self.chars,
-                     "torch_rng": torch.get_rng_state(), "args": vars(self.args), **asdict(self.p),
-                     **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, path)
-
-    def append_log(self, **losses):  # one JSON object per line in log.jsonl
-        row = {"step": self.p.step, "elapsed": round(self.p.elapsed, 2), "tokens": self.p.tokens, **losses}
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def evaluate(self):
-        args, p = self.args, self.p
-        train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
-        val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
-        if not math.isfinite(val_loss):
-            sys.exit(f"error: the val loss is {val_loss} at step {p.step}: the run diverged; "
-                     f"try a lower --lr (now {args.lr:g})")
-        improved = val_loss < p.best_val
-        p.best_val = min(p.best_val, val_loss)
-        p.bad_evals = 0 if improved else p.bad_evals + 1
-        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # saved with the run's end
-        log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
-            f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
-        if RANK == 0:
-            self.append_log(train_loss=train_loss, val_loss=val_loss)
-            if improved:
-                self.save(self.best_path)
-            self.save(self.last_path)
-
-    # -------------------------------------------------------------------- the loop
-    def train(self):
-        args, p = self.args, self.p
-        tokens_per_step = args.batch_size * args.block_size * WORLD
-        if args.compile or args.compile_model:
-            log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
-        self.model.train()
-        t_start = t_last = clock()
-        step_at_last = step_at_start = p.step
-        elapsed_before = p.elapsed
-        if p.stopped_early:
-            log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
-        while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
-                                       else p.elapsed < args.max_time):
-            lr = lr_at(args, p.step, p.elapsed)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            x, y = get_batch(self.train_data, p.step, args, self.device)
-            try:
-                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
-            except Exception as err:  # the compiler runs at the first step: is there a working one?
-                if p.step > step_at_start or not (args.compile or args.compile_model):
-                    raise
-                log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
-                args.compile = args.compile_model = False
-                set_compiled(self.raw_model, False)
-                self.model = wrap(self.raw_model, False, self.ddp, self.device)
-                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
-            p.step += 1
-            p.tokens += tokens_per_step
-            now = clock()  # the only clock reading of the step
-            p.elapsed = elapsed_before + now - t_start
-            if args.max_time is not None and WORLD > 1:
-                # the processes' clocks differ by milliseconds: each deciding on its own clock whether
-                # an eval point or the end has passed would, near one, send them into different
-                # collectives. Rank 0's clock decides for all
-                p.elapsed = rank0_value(p.elapsed, self.device)
-            first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
-            if p.step % args.log_interval == 0 or first_step:
-                loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
-                if not math.isfinite(loss_value):
-                    sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
-                             f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
-                dt = (now - t_last) / max(1, p.step - step_at_last)
-                t_last, step_at_last = now, p.step
-                if args.max_time is None:
-                    where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
-                else:
-                    where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
-                speed = (f"first step {dt:.1f}s" if first_step else
-                         f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
-                log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
-            if args.max_time is None:
-                due = p.step % args.eval_interval == 0 or p.step == args.max_iters
-            else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
-                points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
-                due = points > p.evals_done or p.elapsed >= args.max_time
-                p.evals_done = points
-            if due:
-                self.evaluate()
-                if p.stopped_early:
-                    log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
-
-    # -------------------------------------------------------------------- the end
-    def finish(self):
-        """The best checkpoint's loss on the whole val split, and a sample from it."""
-        args = self.args
-        if WORLD > 1:
-            dist.barrier()  # rank 0 has finished writing best.pt
-        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
-        starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
-        # eager, even after --compile-model: its last, smaller batch would cost a compile of its own
-        set_compiled(self.raw_model, False)
-        full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
-        log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
-            f"loss {full_val:.4f} (best checkpoint)")
-        if self.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
-            log(f"peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB "
-                f"(torch.cuda.max_memory_allocated, --dtype {args.dtype})")
-        if RANK == 0:
-            self.append_log(full_val_loss=full_val)
-            if not args.no_sample:
-                print("-" * 80)
-                sample(self.raw_model.eval(), self.chars, None, 300, args.temperature, args.top_k, self.device)
+def start_or_resume(run, ckpt):
+    """A fresh run clears its --out-dir's earlier files; a resumed one continues from ckpt."""
+    args = run.args
+    if RANK == 0:
+        for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
+            os.remove(tmp)
+    if ckpt is not None:
+        resume(run, ckpt)
+        return
+    if os.path.exists(run.last_path):
+        log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
+            f"log (use --resume to continue it, or another --out-dir to keep it)")
+    if RANK == 0:  # a fresh run never reads, nor ends on, an earlier run's files
+        for path in (run.log_path, run.best_path, run.last_path):
+            if os.path.exists(path):
+                os.remove(path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    ddp, device = start_processes(args)
-    ckpt = read_last_checkpoint(args) if args.resume and not args.sample else None
-    fill_defaults(args, device)
-    torch.manual_seed(args.seed)
-    if args.sample:
-        model, sampled = load_for_sampling(args, device)
-        try:
-            if RANK == 0:
-                sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
-        except ValueError as err:
-            sys.exit(f"error: {err}")
-    else:
-        if RANK == 0:
-            check_out_dir(args.out_dir)
-        run = Run(args, device, ddp, ckpt)
-        run.train()
-        run.finish()
-    if ddp:
-        dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
-        dist.destroy_process_group()
+def resume(run, ckpt):
+    """Continue the run saved in ckpt exactly: model, optimizer, random state, progress, log."""
+    needed = ["optimizer", "torch_rng"] + [f.name for f in fields(Progress) if f.name != "stopped_early"]
+    missing = [k for k in needed if k not in ckpt]
+    if missing:
+        sys.exit(f"error: {run.last_path} lacks {missing}, which this trainer saves in every last.pt "
+                 f"(a checkpoint of an older version of it, or not a last.pt), so it cannot continue the "
+                 f"run exactly; start a new run (another --out-dir keeps this one), or sample from it "
+                 f"with --sample --checkpoint {run.last_path}")
+    if ckpt["vocab"] != run.chars:
+        sys.exit(f"error: {run.last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
+                 f"characters, this text has {len(run.chars)}); use the same --data or a new --out-dir")
+    if model_identity(ckpt["config"]) != model_identity(config_dict(run.raw_model)):
+        sys.exit(f"error: {run.last_path} holds another model config {ckpt['config']}; "
+                 f"resume with the same model flags or use a new --out-dir")
+    run.raw_model.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["torch_rng"])
+    if run.scaler is not None and ckpt.get("scaler"):
+        run.scaler.load_state_dict(ckpt["scaler"])
+    run.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress) if f.name in ckpt})
+    if RANK == 0:
+        truncate_log(run.log_path, run.p.step)
+    log(f"resumed from {run.last_path} at step {run.p.step} (best val {run.p.best_val:.4f})")
+
+
+def save_checkpoint(run, path):
+    atomic_save({"model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(),
+                 "arch": run.args.arch, "config": config_dict(run.raw_model), "vocab": run.chars,
+                 "torch_rng": torch.get_rng_state(), "args": vars(run.args), **asdict(run.p),
+                 **({"scaler": run.scaler.state_dict()} if run.scaler is not None else {})}, path)
+
+
+def append_log(run, **losses):  # one JSON object per line in log.jsonl
+    row = {"step": run.p.step, "elapsed": round(run.p.elapsed, 2), "tokens": run.p.tokens, **losses}
+    with open(run.log_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def train_eagerly_after(err, run, x, y, first_step):
+    """The first step failed: where torch.compile was asked for and no compiler works, train eagerly."""
+    args = run.args
+    if not first_step or not (args.compile or args.compile_model):
+        raise err
+    log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
+    args.compile = args.compile_model = False
+    set_compiled(run.raw_model, False)
+    run.model = wrap(run.raw_model, False, run.ddp, run.device)
+    return train_step(run.model, run.optimizer, x, y, args, run.autocast, run.scaler)
 
 
 if __name__ == "__main__":
