@@ -315,17 +315,29 @@ class MambaMixer(nn.Module):
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
-    def causal_conv(self, x):
+    def causal_conv(self, x, conv_state=None, seq_idx=None):
         """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-d_conv+1+k}
         + bias. The same sum `step` computes on its rolling buffer. On a CPU its backward is much
         cheaper than nn.Conv1d's, which dominated the training step when the model used it.
-        x: (b, L, ED) -> (b, L, ED)"""
+        x: (b, L, ED) -> (b, L, ED). Optional: conv_state (b, ED, d_conv), a cache's buffer, read
+        instead of zeros before the first token; seq_idx (b, L), packed sequences: a tap never reads
+        an input of another sequence (the buffer counts as the first one's)."""
         width, L = self.cfg.d_conv, x.shape[1]
         w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
-        x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
-        out = x_pad[:, 0:L] * w[:, 0]
+        if conv_state is None:
+            x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
+        else:
+            x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
+        if seq_idx is not None:
+            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, d_conv-1+L)
+
+        def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, ED), zero where another sequence's
+            shifted = x_pad[:, k:k + L]
+            return shifted if seq_idx is None else shifted * (seq_pad[:, k:k + L] == seq_idx).unsqueeze(-1)
+
+        out = tap(0) * w[:, 0]
         for k in range(1, width):
-            out = torch.addcmul(out, x_pad[:, k:k + L], w[:, k])  # (b, L, ED)
+            out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, ED)
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_step(self, conv_state, x):
@@ -336,12 +348,20 @@ class MambaMixer(nn.Module):
         out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED) the conv at one position
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
-    def conv_state_after(self, x_in):
+    def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
         """The rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros before
-        the first token, as a fresh (b, ED, d_conv) tensor, so a cache does not keep the prompt's
-        activations alive."""
+        the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
+        tensor, so a cache does not keep the prompt's activations alive. With seq_idx, the inputs of
+        earlier sequences are zeros: the buffer is the last sequence's alone."""
         d_conv = self.cfg.d_conv
-        state = F.pad(x_in.transpose(1, 2), (max(d_conv - x_in.shape[1], 0), 0))[..., -d_conv:]
+        x_in = x_in.transpose(1, 2)  # (b, ED, L)
+        if conv_state is None:
+            state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
+        else:
+            state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
+        if seq_idx is not None:
+            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
+            state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
         return state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
 
     def forward(self, hidden, want_cache=False):
@@ -408,8 +428,8 @@ class Block(nn.Module):
     def _residual(self, h):
         return _at_least_fp32(h) if self.residual_in_fp32 else h
 
-    def forward(self, h, want_cache=False):
-        out = self.mixer(self.norm(h), want_cache)
+    def forward(self, h, want_cache=False, **use):  # use: the mixer's cache, seq_idx, attention_mask
+        out = self.mixer(self.norm(h), want_cache, **use)
         if want_cache:
             out, cache = out
             return self._residual(h) + out, cache
@@ -472,20 +492,30 @@ class MambaLM(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
 
-    def forward(self, input_ids, want_cache=False):
-        """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache."""
+    def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
+        """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
+
+        Optional, for using a model for real (each checked in the appendix):
+            cache:          a cache as prefill returns it: continue from its states (it is not modified)
+            seq_idx:        (b, L) integers, non-decreasing along a row: packed sequences, each
+                            starting from a zero state where the index changes
+            attention_mask: (b, L) of 0/1, left padding: the 0s are identity steps for the state
+                            and zeros for the conv, so each row computes what it computes alone
+        """
         _check_token_ids(input_ids)
         _check_token_range(input_ids, self.cfg.vocab_size)
+        use = _check_use(self, input_ids, cache, seq_idx, attention_mask)
         h = self.backbone.embedding(input_ids)  # (b, L, d_model)
-        cache = []
-        for layer in self.backbone.layers:
+        new_cache = []
+        for i, layer in enumerate(self.backbone.layers):
+            layer_use = dict(use, cache=cache[i]) if cache is not None else use
             if want_cache:
-                h, layer_cache = layer(h, want_cache=True)
-                cache.append(layer_cache)
+                h, layer_cache = layer(h, want_cache=True, **layer_use)
+                new_cache.append(layer_cache)
             else:
-                h = layer(h)  # (b, L, d_model)
+                h = layer(h, **layer_use)  # (b, L, d_model)
         logits = self.lm_head(self.backbone.norm_f(h))  # (b, L, V)
-        return (logits, cache) if want_cache else logits
+        return (logits, new_cache) if want_cache else logits
 
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
@@ -498,9 +528,11 @@ class MambaLM(nn.Module):
     # recurrence of section 1 applied once.
 
     @torch.no_grad()
-    def prefill(self, input_ids):
-        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state))."""
-        return self.forward(input_ids, want_cache=True)
+    def prefill(self, input_ids, cache=None, attention_mask=None):
+        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state)). With a
+        cache, continue from it: any split of a sequence into pieces gives the logits and the final
+        cache of one pass. attention_mask: left padding, as in forward."""
+        return self.forward(input_ids, want_cache=True, cache=cache, attention_mask=attention_mask)
 
     @torch.no_grad()
     def step(self, token_ids, cache):
@@ -516,12 +548,14 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        generator=None):
-        """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps."""
+                        generator=None, attention_mask=None):
+        """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps.
+        attention_mask (b, L): prompts of different lengths, left-padded."""
         _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)  # before the prefill
         if max_new_tokens == 0:
+            _check_use(self, input_ids, None, None, attention_mask)
             return
-        logits, cache = self.prefill(input_ids)
+        logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
         for i in range(max_new_tokens):
             token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
@@ -531,15 +565,28 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None):
-        """input_ids (b, L) -> (b, L + max_new_tokens). top_k=1 (or temperature=0) is greedy."""
-        new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator))
+                 generator=None, attention_mask=None):
+        """input_ids (b, L) -> (b, L + max_new_tokens). top_k=1 (or temperature=0) is greedy.
+        attention_mask (b, L): prompts of different lengths, left-padded."""
+        new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator,
+                                        attention_mask))
         return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
 
     @classmethod
     def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
         """Load a checkpoint folder (official or transformers layout) or a hub id; see section 7."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens):
+    """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
+    total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
+                         f"increasing, got {cu_seqlens!r}")
+    lengths = cu_seqlens.diff()  # (n,)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -1122,6 +1169,67 @@ def _check_step_inputs(model, token_ids, cache):
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"cache[{i}] {name} must have shape {shape} ({dims}) for a batch of "
                                  f"{batch} tokens, got {got}")
+            if t.dtype != dtype or t.device != device:
+                raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
+                                 f"it for this model), got {t.dtype} on {t.device}")
+
+
+def _check_use(model, input_ids, cache, seq_idx, attention_mask):
+    """forward's cache, seq_idx and attention_mask, checked against input_ids (b, L) and the model.
+    Returns the mixers' keyword arguments: seq_idx as int64, the mask as bool (b, L); None left out."""
+    b, L = input_ids.shape
+    use = {}
+    if cache is not None:
+        _check_cache(model, cache, b)
+    if seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) != (b, L) \
+                or seq_idx.dtype not in (torch.int64, torch.int32) or seq_idx.device != input_ids.device:
+            got = (f"{tuple(seq_idx.shape)} {seq_idx.dtype} on {seq_idx.device}" if isinstance(seq_idx, torch.Tensor)
+                   else type(seq_idx).__name__)
+            raise ValueError(f"seq_idx must be an integer tensor of shape ({b}, {L}) like input_ids, on "
+                             f"{input_ids.device}, got {got}")
+        if (seq_idx.diff(dim=1) < 0).any():
+            raise ValueError("seq_idx must be non-decreasing along each row (packed sequences, one after "
+                             "another)")
+        use["seq_idx"] = seq_idx.long()
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, L) \
+                or attention_mask.is_floating_point() or attention_mask.device != input_ids.device:
+            got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype} on {attention_mask.device}"
+                   if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+            raise ValueError(f"attention_mask must be a bool or integer tensor of shape ({b}, {L}) like "
+                             f"input_ids, on {input_ids.device}, got {got}")
+        mask = attention_mask.long()
+        if ((mask != 0) & (mask != 1)).any() or (mask.diff(dim=1) < 0).any() or (mask[:, -1] != 1).any():
+            raise ValueError("attention_mask must be left padding: each row 0s (padding) then 1s (tokens), "
+                             "ending with a token")
+        if cache is not None and (mask == 0).any():
+            raise ValueError("attention_mask with a cache must be all ones: padding would sit between the "
+                             "cache and the new tokens")
+        use["attention_mask"] = mask.bool()
+    return use
+
+
+def _check_cache(model, cache, batch):
+    """A cache must be prefill's for this model and batch: one tuple per layer, each tensor of the
+    shape, dtype and device of its mixer's cache_spec."""
+    n_layer = len(model.backbone.layers)
+    names = tuple(name for name, *_ in model.backbone.layers[0].mixer.cache_spec(batch))
+    if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
+        got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+        raise ValueError(f"cache must be a list of {n_layer} ({', '.join(names)}) tuples, one per layer, as "
+                         f"prefill returns it for this model; got {got}")
+    for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
+        spec = layer.mixer.cache_spec(batch)
+        if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != len(spec):
+            raise ValueError(f"cache[{i}] must be a ({', '.join(names)}) tuple, as prefill returns it for "
+                             f"this model")
+        device = next(layer.mixer.parameters()).device
+        for t, (name, shape, dims, dtype) in zip(layer_cache, spec):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"cache[{i}] {name} must have shape {shape} ({dims}) for a batch of "
+                                 f"{batch}, got {got}")
             if t.dtype != dtype or t.device != device:
                 raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
                                  f"it for this model), got {t.dtype} on {t.device}")
