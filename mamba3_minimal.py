@@ -290,7 +290,7 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
         return_state: also return the final (angle, h, k, v), each a tensor of its own
         scan_backend: pscan.scan's backend for the recurrence across chunks
         reset:        (b, L) bool or None: True where a new sequence starts (packed sequences): as
-                      from a zero state, α = 0 and β = 0 there, and the angles start again at 0
+                      from a zero state, α = 0 there (so β = 0 too), and the angles start again at 0
     Returns:
         y (b, L, R, H, P) in fp32 at least (fp64 for fp64 inputs); with return_state also the state
     """
@@ -309,11 +309,9 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
     if pad:  # identity steps: Δ = 0 (and Δ·A = 0), nothing read or written
         q, k, v, dt, adt, lam, theta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
                                         for t in (q, k, v, dt, adt, lam, theta))
-    sigma = (1 - lam) * dt  # (b, L', H)  the trapezoid's weight on the token before
-    if reset is not None:  # a new sequence: α = exp(-inf) = 0, and no β term from the token before
+    if reset is not None:  # a new sequence: α = exp(-inf) = 0, and with it β = (1 − λ)·Δ·α = 0
         reset = F.pad(reset, (0, pad))  # (b, L')
         adt = torch.where(reset[..., None], -torch.inf, adt)
-        sigma = torch.where(reset[..., None], 0, sigma)
 
     # the accumulated angles: a cumsum inside each chunk, plus each chunk's start kept in [0, 2π)
     # (the starts are one cumsum over chunks, whose rounding grows with L/T rather than L)
@@ -336,6 +334,7 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
 
     # the trapezoid's weights: γ_s on the token now, σ_{s+1} for the step after it
     gamma = lam * dt  # (b, L', H)
+    sigma = (1 - lam) * dt  # (b, L', H)
     sigma_next = F.pad(sigma[:, 1:], (0, 0, 0, 1))  # (b, L', H)  σ_{s+1}, 0 after the last token
 
     def chunks(t):  # (b, L', ...) -> (b, c, H, T, ...), heads before time

@@ -340,3 +340,14 @@ def test_bad_masks_seq_idx_and_caches_raise_errors_that_name_the_expectation(nam
         model.prefill(ids, cache=foreign)
     with torch.no_grad():  # nothing above changed the model's answer
         assert max_difference(model.prefill(ids)[0], model(ids)) == 0
+
+
+def test_the_scans_refuse_a_reset_that_is_not_a_bool_mask_of_shape_b_l():
+    x, dt = torch.randn(2, 5, 4, 3), torch.rand(2, 5, 4)
+    A, B = -torch.rand(4), torch.randn(2, 5, 1, 6)
+    for reset in (torch.zeros(2, 5), torch.zeros(2, 4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"reset must be a bool tensor of shape \(b, L\) = \(2, 5\)"):
+            m2.ssd(x, dt, A, B, B, 4, reset=reset)
+        with pytest.raises(ValueError, match=r"reset must be a bool tensor of shape \(b, L\) = \(2, 5\)"):
+            m3.mamba3_chunked(B.unsqueeze(2).expand(2, 5, 1, 1, 6), B.unsqueeze(2).expand(2, 5, 1, 1, 6), x, dt,
+                              -dt, dt, torch.rand(2, 5, 4, 1), reset=reset)
