@@ -351,3 +351,20 @@ def test_the_scans_refuse_a_reset_that_is_not_a_bool_mask_of_shape_b_l():
         with pytest.raises(ValueError, match=r"reset must be a bool tensor of shape \(b, L\) = \(2, 5\)"):
             m3.mamba3_chunked(B.unsqueeze(2).expand(2, 5, 1, 1, 6), B.unsqueeze(2).expand(2, 5, 1, 1, 6), x, dt,
                               -dt, dt, torch.rand(2, 5, 4, 1), reset=reset)
+
+
+@pytest.mark.compile
+def test_compiled_mamba2_mixer_takes_packed_rows_and_left_padding():
+    torch.manual_seed(0)
+    model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=VOCAB, d_state=8, headdim=16, ngroups=2,
+                                        chunk_size=CHUNK, compile_mixer=True)).eval()
+    ids, seq_idx = packed_row([5, 11])
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        packed, padded = model(ids, seq_idx=seq_idx), model(ids, attention_mask=mask)
+        model.cfg.compile_mixer = False  # the oracle: each document and each row alone, eagerly
+        for doc in (slice(0, 5), slice(5, 16)):
+            torch.testing.assert_close(packed[:, doc], model(ids[:, doc]), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(padded[0, 3:], model(ids[:1, 3:])[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(padded[1], model(ids[1:])[0], atol=1e-5, rtol=1e-4)
