@@ -501,6 +501,7 @@ class MambaLM(nn.Module):
                             starting from a zero state where the index changes
             attention_mask: (b, L) of 0/1, left padding: the 0s are identity steps for the state
                             and zeros for the conv, so each row computes what it computes alone
+                            (the logits at padded positions mean nothing)
         """
         _check_token_ids(input_ids)
         _check_token_range(input_ids, self.cfg.vocab_size)
@@ -553,7 +554,9 @@ class MambaLM(nn.Module):
         attention_mask (b, L): prompts of different lengths, left-padded."""
         _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)  # before the prefill
         if max_new_tokens == 0:
-            _check_use(self, input_ids, None, None, attention_mask)
+            if attention_mask is not None:
+                _check_token_ids(input_ids)
+                _check_use(self, input_ids, None, None, attention_mask)
             return
         logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
