@@ -291,25 +291,33 @@ def test_each_row_of_a_left_padded_batch_equals_the_row_alone(name):
     assert padding_difference(MODELS[name]()) < 1e-10
 
 
-def test_left_padded_generate_equals_transformers_generate_with_the_same_mask(tmp_path):
+@pytest.mark.parametrize("generation", [2])
+def test_left_padded_generate_equals_transformers_generate_with_the_same_mask(tmp_path, generation):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     torch.manual_seed(0)
-    hf_cfg = transformers.Mamba2Config(num_heads=4, head_dim=16, hidden_size=32, state_size=8, num_hidden_layers=2,
-                                       vocab_size=VOCAB, n_groups=2, chunk_size=CHUNK, expand=2,
-                                       tie_word_embeddings=False, pad_token_id=0, eos_token_id=None,
-                                       bos_token_id=None)
-    hf = transformers.Mamba2ForCausalLM(hf_cfg).double().eval()
+    tokens = dict(vocab_size=VOCAB, tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    if generation == 1:
+        hf = transformers.MambaForCausalLM(transformers.MambaConfig(hidden_size=16, state_size=4, num_hidden_layers=2,
+                                                                    expand=2, **tokens))
+    else:
+        hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+            num_heads=4, head_dim=16, hidden_size=32, state_size=8, num_hidden_layers=2, n_groups=2,
+            chunk_size=CHUNK, expand=2, **tokens))
+    hf = hf.double().eval()
     with torch.no_grad():  # off the init values
         for name, p in hf.named_parameters():
-            if name.endswith(("dt_bias", "A_log", ".D", "norm.weight")):
+            if name.endswith(("dt_bias", "A_log", ".D", "norm.weight", "dt_proj.bias", "conv1d.bias")):
                 p.add_(torch.randn_like(p) * 0.3)
     hf.save_pretrained(tmp_path)
-    model = m2.Mamba2LM.from_pretrained(str(tmp_path), dtype=torch.float64)
+    model = (mm.MambaLM if generation == 1 else m2.Mamba2LM).from_pretrained(str(tmp_path), dtype=torch.float64)
     prompts = [torch.randint(1, VOCAB, (n,)) for n in PROMPT_LENGTHS]
     ids, mask = left_padded(prompts, pad_id=0)
     ours = model.generate(ids, 6, top_k=1, attention_mask=mask)
-    with torch.no_grad():
+    real = mask.bool()
+    with torch.no_grad():  # the logits at the real positions, then the greedy tokens
+        torch.testing.assert_close(model(ids, attention_mask=mask)[real][:, :VOCAB],
+                                   hf(ids, attention_mask=mask).logits[real].double(), atol=1e-6, rtol=1e-5)
         theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                              min_new_tokens=6)
     assert torch.equal(ours, theirs)
