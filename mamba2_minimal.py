@@ -630,7 +630,8 @@ class Mamba2LM(mm.MambaLM):
     # and the SSM state (b, H, P, N). MambaLM's prefill, step and generate run unchanged: prefill
     # is forward with want_cache (chunked SSD over the prompt), and each further token is one O(1)
     # Mamba2Mixer.step (section 1's ssd_step on the cache), after MambaLM.step has checked the
-    # cache against every mixer's cache_spec.
+    # cache against every mixer's cache_spec. prefill(ids, cache=cache) continues a cache with many
+    # tokens at once: ssd() starts from its state (h0) and the conv reads its buffer.
 
 
 # ------------------------------------------------------------------------------------------------

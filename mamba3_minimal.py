@@ -660,7 +660,8 @@ class Mamba3LM(mm.MambaLM):
     # input (b, H, P), which the next step's β term needs. No conv buffer: Mamba-3 has no
     # convolution. prefill (MambaLM's: forward with want_cache) runs the chunked form over the
     # prompt and returns the four; each further token is one O(1) step, section 1's mamba3_step on
-    # the cache (Mamba3Mixer.step). MambaLM's generate and generate_stream run unchanged.
+    # the cache (Mamba3Mixer.step). MambaLM's generate and generate_stream run unchanged, and
+    # prefill(ids, cache=cache) continues a cache: mamba3_chunked starts from its four tensors.
 
     @torch.no_grad()
     def step(self, token_ids, cache):
