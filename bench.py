@@ -5,14 +5,21 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py depth         # work and depth of each scan, counted, beside its CPU time
     python bench.py crossover     # forward only: from which width the loop beats pscan on a CPU
     python bench.py selective     # selective_scan: eager backends vs the fused chunked path
-    python bench.py train         # one training step of a 0.8M model per backend, and a same-size GPT
+    python bench.py train         # one training step: the default Mamba, its alternatives, Mamba-2, the same-size GPT
+    python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
+    python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
     python bench.py mamba2_profile  # where that step's time goes: matmuls vs the rest (torch.profiler)
     python bench.py mamba3        # one training step of Mamba-3 candidates vs Mamba-1, Mamba-2 and the GPT; generation
     python bench.py all           # everything above
-    python bench.py gpu           # on a CUDA machine: CUDA tests, the seed's L = 8192 table, training
+    python bench.py gpu --data data/tinyshakespeare.txt  # a CUDA machine, offline, within --budget s
+    python bench.py gpu --tiny    # the same parts in the same order, at a toy size on the CPU
+
+`gpu` trains, times the L = 8192 selective scan and runs the CUDA tests, most valuable first
+(its section says what and why); it needs the Tiny Shakespeare text on the machine (--data, or
+data/tinyshakespeare.txt, which the trainer otherwise downloads).
 
 Every table is measured in one process with the candidates interleaved (round-robin, median of
 the repeats), so a noisy machine slows them all alike and the ratios stay meaningful. One thread
@@ -27,6 +34,8 @@ import json
 import math
 import os
 import platform
+import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -218,7 +227,7 @@ def bench_scan(args, device):
 
 def bench_depth(args, device):
     """Work and depth of each scan as pscan.count_combines counts them, beside their CPU times."""
-    launch_us = 5.0  # a GPU kernel launch, roughly (seed 000 §1.1 says 5-10 µs)
+    launch_us = 5.0  # an assumed cost of one GPU kernel launch (a few µs), not a measurement
     lengths = (256,) if args.quick else (1024, 4096)
     rows = []
     for L in lengths:
@@ -291,14 +300,29 @@ SELECTIVE_VARIANTS = {
 }
 
 
-def bench_selective(args, device):
-    shapes = [(12, 64, 256, 16), (1, 4096, 256, 16)]
-    if device.type == "cuda":
-        shapes.append((8, 2048, 1536, 16))
-    if args.quick:
-        shapes = [(2, 64, 64, 16)]
+def loop_label(name, kw):
+    """A row's name, saying so where compile="loop" fell back to one compiled call per chunk
+    (mamba_minimal warns once and then runs the per-chunk path, whose figures the row shows)."""
+    if kw.get("compile") == "loop" and not mm._compiled_loop_works:
+        return f"{name} [fell back: one compiled call per chunk]"
+    return name
+
+
+def bench_selective(args, device, shapes=None):
+    if shapes is None:
+        shapes = [(12, 64, 256, 16), (1, 4096, 256, 16)]
+        if device.type == "cuda":
+            shapes.append((8, 2048, 1536, 16))
+        if args.quick:
+            shapes = [(2, 64, 64, 16)]
     rows, compile_rows = [], []
     for shape in shapes:
+        # The compiled chunk is compiled with static shapes and fullgraph=True: each shape and
+        # each kind of call (no grad, autograd, the recomputing backward's forward) is a graph of
+        # its own, about four per shape, and past torch's recompile limit (8 per function) a
+        # fullgraph compile fails instead of running eagerly. A fresh start per shape keeps
+        # every shape's graphs within the limit.
+        torch._dynamo.reset()
         inputs = selective_inputs(*shape, device=device, requires_grad=True)
         variants = dict(SELECTIVE_VARIANTS)
         long = shape[1] >= 2048
@@ -327,14 +351,15 @@ def bench_selective(args, device):
                 if not (long and device.type == "cpu"):
                     fb(kw)
                 sync(device)
-                compile_rows.append([str(shape), name, f"{t1 - t0:.1f}", f"{time.perf_counter() - t1:.1f}"])
+                compile_rows.append([str(shape), loop_label(name, kw), f"{t1 - t0:.1f}",
+                                     f"{time.perf_counter() - t1:.1f}"])
         reps = max(3, args.repeats // (2 if long else 1))
         t_f = interleaved({k: (lambda kw=kw: fwd(kw)) for k, kw in variants.items()}, reps, device)
         t_b = {}
         if not (long and device.type == "cpu"):
             t_b = interleaved({k: (lambda kw=kw: fb(kw)) for k, kw in variants.items()}, reps, device)
         for k in variants:
-            rows.append([str(shape), k, f"{t_f[k]:.1f}", f"{t_f['sequential'] / t_f[k]:.2f}",
+            rows.append([str(shape), loop_label(k, variants[k]), f"{t_f[k]:.1f}", f"{t_f['sequential'] / t_f[k]:.2f}",
                          f"{t_b[k]:.1f}" if t_b else "", f"{t_b['sequential'] / t_b[k]:.2f}" if t_b else ""])
     table("y = selective_scan(...): median ms, and speed-up over the eager sequential backend",
           ["(B, L, ED, N)", "path", "fwd ms", "speed-up", "fwd+bwd ms", "speed-up"], rows)
@@ -456,22 +481,150 @@ def training_step_table(title, models, ids, vocab, args, device, autocast=None):
 
 
 def bench_train(args, device):
+    """The trainer's default Mamba (d_state 4, eager, backend "auto") against the GPT yardstick and
+    Mamba-2's default, with the alternatives beside it: d_state 16, each scan backend, the fused
+    path eager and compiled."""
+    import mamba2_minimal as m2
     d_model = 384 if device.type == "cuda" else 128
-    batch, block, vocab = 12, 64, 65
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
-    for name, kw in [("mamba sequential", dict(scan_backend="sequential")),
+    for name, kw in [("mamba default (d_state 4, auto)", {}),
+                     ("mamba d_state 16", dict(d_state=16)),
+                     ("mamba sequential", dict(scan_backend="sequential")),
                      ("mamba pscan", dict(scan_backend="pscan")),
-                     ("mamba chunked eager", dict(scan_backend="chunked")),
-                     ("mamba chunked compiled", dict(compile_scan=True)),
-                     ("mamba d_state 4 (trainer's CPU default)", dict(d_state=4))]:
-        torch.manual_seed(0)
-        models[name] = mm.MambaLM(mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab, **kw)).to(device)
+                     ("mamba fused eager", dict(scan_backend="fused")),
+                     ("mamba fused compiled", dict(compile_scan=True)),
+                     ("mamba d_state 16, fused compiled", dict(d_state=16, compile_scan=True))]:
+        if args.quick and kw.get("compile_scan"):
+            continue
+        models[name] = trainer_mamba(vocab, d_model=d_model, **kw)
     torch.manual_seed(0)
-    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block)).to(device)
+    models["mamba2 default"] = m2.Mamba2LM(m2.Mamba2Config(
+        vocab_size=vocab, chunk_size=block, **MAMBA2_CPU_CANDIDATES["mamba2 128 x 7, headdim 64, d_state 64"]))
+    torch.manual_seed(0)
+    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}",
                         models, ids, vocab, args, device, autocast)
+
+
+def trainer_mamba(vocab, **kw):
+    """The trainer's default CPU Mamba (train_shakespeare.py: d_model 128, 7 layers, d_state 4)."""
+    torch.manual_seed(0)
+    return mm.MambaLM(mm.MambaConfig(**dict(dict(d_model=128, n_layer=7, vocab_size=vocab, d_state=4), **kw)))
+
+
+PROFILE_GROUPS = {  # op name -> what it is doing, for the summary row of bench_profile
+    "matmuls": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "casts and copies": ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous"),
+}
+
+
+def bench_profile(args, device):
+    """Where the default Mamba's training step goes, op by op, beside the GPT yardstick's: torch.profiler's
+    CPU self time per step (forward, backward and AdamW together), the top ops and the matmul share."""
+    from torch.profiler import ProfilerActivity, profile
+    batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    torch.manual_seed(0)
+    models = {"mamba (trainer's default)": trainer_mamba(vocab),
+              "GPT (yardstick)": TinyGPT(GPTConfig(vocab_size=vocab, d_model=128, block_size=block))}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name, model in models.items():
+        step = training_step(model.to(device), ids, vocab)
+        for _ in range(3):
+            step()
+        with profile(activities=activities) as prof:
+            for _ in range(args.repeats):
+                step()
+            sync(device)
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in events)
+        per_step = lambda us: f"{us / args.repeats / 1e3:.2f}"
+        rows = [[e.key, per_step(e.self_cpu_time_total), f"{e.self_cpu_time_total / total:.0%}",
+                 f"{e.count / args.repeats:.0f}"] for e in events[:args.top]]
+        for group, keys in PROFILE_GROUPS.items():
+            us = sum(e.self_cpu_time_total for e in events if e.key in keys)
+            calls = sum(e.count for e in events if e.key in keys)
+            rows.append([f"({group})", per_step(us), f"{us / total:.0%}", f"{calls / args.repeats:.0f}"])
+        rows.append(["(all ops)", per_step(total), "100%", f"{sum(e.count for e in events) / args.repeats:.0f}"])
+        table(f"{name}: one training step under torch.profiler, batch {batch}, block {block}, CPU self time "
+              f"per step over {args.repeats} steps, the top {args.top} ops", ["op", "ms/step", "share", "calls/step"],
+              rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# The race: equal wall-clock budgets, whole training runs
+# ------------------------------------------------------------------------------------------------
+# A step's cost is half of the story: Mamba learns more per step than the GPT. The fair comparison
+# trains both for the same time, each with its learning-rate schedule fitted to that time (the
+# trainer's --max-time), on the same data and the same evaluation windows, one run after the
+# other so that they share the machine's state, and repeats to show the spread.
+
+RACERS = {"GPT (yardstick)": ["--arch", "gpt"], "mamba (default)": []}
+
+
+def race_curve(log_path):
+    """[(elapsed s, val loss)] from a train_shakespeare.py log.jsonl, in order."""
+    with open(log_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [(row["elapsed"], row["val_loss"]) for row in rows if "val_loss" in row]
+
+
+def race_summary(curves, budget):
+    """curves: {racer: [curve per run]} -> (rows of val loss at common times, rows of best val per
+    racer with its spread over the runs, the margin: the GPT's mean best val minus Mamba's, and the
+    largest spread). The trainer evaluates when its clock passes k/n of the budget (k = 1..n), a
+    little later for a slower step, so each curve is read at those n times: the latest evaluation
+    made before the next one was due."""
+    names = list(curves)
+    n = max(len(c) for runs in curves.values() for c in runs)
+
+    def val_at(curve, k):  # the last evaluation of slot k or earlier, None before the first
+        due = [v for t, v in curve if min(int(t * n / budget), n) <= k]
+        return due[-1] if due else None
+
+    curve_rows = []
+    for k in range(1, n + 1):
+        vals = [[v for v in (val_at(c, k) for c in curves[name]) if v is not None] for name in names]
+        means = [statistics.mean(v) if v else None for v in vals]
+        margin = f"{means[0] - means[1]:+.4f}" if None not in means else ""
+        curve_rows.append([f"{budget * k / n:.0f}"] + [f"{m:.4f}" if m is not None else "" for m in means] + [margin])
+    best = {name: [min(v for _, v in c) for c in runs] for name, runs in curves.items()}
+    best_rows = [[name, f"{statistics.mean(b):.4f}", f"{min(b):.4f}", f"{max(b):.4f}", f"{max(b) - min(b):.4f}",
+                  " ".join(f"{v:.4f}" for v in b)] for name, b in best.items()]
+    margin = statistics.mean(best[names[0]]) - statistics.mean(best[names[1]])
+    return curve_rows, best_rows, margin, max(max(b) - min(b) for b in best.values())
+
+
+def bench_race(args, device):
+    """The GPT yardstick and the default Mamba, each trained by train_shakespeare.py for --max-time
+    seconds, one after the other, --runs times; their val curves at equal times, each one's best val
+    with its spread over the runs, and the margin between them."""
+    trainer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_shakespeare.py")
+    out_root = args.out_dir or os.path.join("out", "race")
+    curves = {name: [] for name in RACERS}
+    for run in range(args.runs):
+        for name, flags in RACERS.items():
+            out_dir = os.path.join(out_root, f"{'gpt' if 'GPT' in name else 'mamba'}-{run}")
+            if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+                os.remove(os.path.join(out_dir, "log.jsonl"))  # a fresh run, not an appended one
+            cmd = [sys.executable, trainer, "--max-time", str(args.max_time), "--out-dir", out_dir,
+                   "--device", str(device), "--no-sample"] + flags + (["--data", args.data] if args.data else [])
+            env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+            print(f"run {run + 1}/{args.runs}, {name}: {' '.join(cmd[1:])}", flush=True)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+            curves[name].append(race_curve(os.path.join(out_dir, "log.jsonl")))
+    curve_rows, best_rows, margin, spread = race_summary(curves, args.max_time)
+    names = list(RACERS)
+    table(f"val loss at equal times, mean of {args.runs} run(s) of {args.max_time:g} s each",
+          ["seconds"] + names + ["GPT - mamba"], curve_rows)
+    table("best val loss over each run", ["model", "mean", "min", "max", "spread", "runs"], best_rows)
+    verdict = "a tie: the margin is inside the spread" if abs(margin) <= spread else \
+        ("mamba ahead" if margin > 0 else "the GPT ahead")
+    print(f"\nmargin at equal time (GPT's mean best val - mamba's): {margin:+.4f}; largest spread over runs "
+          f"{spread:.4f}: {verdict}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -604,9 +757,12 @@ def bench_mamba2_train(args, device):
         torch.manual_seed(0)
         models[name] = m2.Mamba2LM(m2.Mamba2Config(vocab_size=vocab, chunk_size=block, **kw))
     default = "mamba2 128 x 7, headdim 64, d_state 64"
+    kw = MAMBA2_CPU_CANDIDATES[default]
+    if device.type == "cuda":  # the same size as the eager rows above
+        default, kw = f"mamba2 {d_model} x 6, headdim 64, d_state 64", dict(kw, d_model=d_model, n_layer=6)
     torch.manual_seed(0)
     models[default + ", compile_mixer (--compile)"] = m2.Mamba2LM(m2.Mamba2Config(
-        vocab_size=vocab, chunk_size=block, compile_mixer=True, **MAMBA2_CPU_CANDIDATES[default]))
+        vocab_size=vocab, chunk_size=block, compile_mixer=True, **kw))
     for compiled in (False, True):
         torch.manual_seed(0)
         gpt = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
@@ -642,10 +798,13 @@ def bench_mamba2_profile(args, device):
                 step()
             sync(device)
         events = prof.key_averages()
-        total = sum(e.self_cpu_time_total for e in events) / args.repeats / 1e3
-        mm_ms = sum(e.self_cpu_time_total for e in events if e.key in matmuls) / args.repeats / 1e3
+        # on a GPU an op's CPU self time is its launch: what the GPU spends is its device time
+        self_time = (lambda e: e.self_device_time_total) if device.type == "cuda" else (lambda e: e.self_cpu_time_total)
+        total = sum(self_time(e) for e in events) / args.repeats / 1e3
+        mm_ms = sum(self_time(e) for e in events if e.key in matmuls) / args.repeats / 1e3
         rows.append([name, f"{total:.1f}", f"{mm_ms:.1f}", f"{total - mm_ms:.1f}", f"{mm_ms / total:.0%}"])
-    table(f"one training step under torch.profiler (CPU self time, ms per step, {args.repeats} steps), batch {batch}, "
+    table(f"one training step under torch.profiler ({'CUDA' if device.type == 'cuda' else 'CPU'} self time, ms per "
+          f"step, {args.repeats} steps), batch {batch}, "
           f"block {block}: matmuls (mm, addmm, bmm) against everything else",
           ["model", "step ms", "matmul ms", "rest ms", "matmul share"], rows)
 
@@ -703,24 +862,38 @@ def bench_mamba3(args, device):
 
 
 # ------------------------------------------------------------------------------------------------
-# On a GPU, in one go: the CUDA tests, the seed's table at its own shape, a short training run
+# On a GPU, in one go: python bench.py gpu
 # ------------------------------------------------------------------------------------------------
-# Seed 000 measures the selective scan of one Mamba layer at d_model 1024 (so ED = 2048), N = 16,
-# over L = 8192 steps, batch 1: the Python loop pays 8192 x a few kernel launches, torch's
-# associative_scan in "pointwise" mode (CUDA only) runs one Triton kernel, and a fused kernel
-# keeps the states on chip. Everything here is capped in time, so that the whole command fits in
-# GPU_BUDGET_S however slow one case turns out to be (the seed reports 1-2 s per call of the loop).
+# A short run on a CUDA machine that may have no network and a few minutes. The most valuable
+# figures come first, so a run cut short still has them:
+#   1. train_shakespeare.py --max-iters 300 with the CUDA defaults: Mamba, then the GPT yardstick
+#      (same data, windows, block, batch, steps and schedule): val loss, tokens/s, seconds, peak memory
+#   2. the selective scan of one Mamba layer at d_model 1024 (ED = 2048), N = 16, L = 8192,
+#      batch 1, forward and forward+backward, the eager paths: the Python loop (8192 steps of a
+#      few kernel launches each), torch's associative_scan and pscan (a tree of log2(L) levels)
+#   3. the CUDA tests that compile nothing: pytest -k cuda -m "not compile"
+#   4. Mamba-2 and Mamba-3 training, as in 1.
+#   5. what compiles (tens of seconds to minutes per graph on a cold machine): the compiled
+#      rows of 2., then the compiled CUDA tests
+# Each part runs in a process group of its own, killed at the deadline with every process it
+# started (Inductor's compile workers too), so --budget bounds the whole command, compiling
+# included. On CUDA, pscan.py asks associative_scan for combine_mode="pointwise"; called
+# outside torch.compile, torch runs that through Dynamo's eager backend, which executes its
+# generic algorithm (torch/_higher_order_ops/associative_scan.py, _maybe_compile_and_run_fn):
+# the row times that, not a Triton kernel. compile="loop" can fall back to one compiled call
+# per chunk where torch cannot compile the loop; its row says so when it did.
 
 GPU_SHAPE = (1, 8192, 2048, 16)  # (B, L, ED, N)
-GPU_TINY_SHAPE = (1, 40, 8, 4)  # --tiny: the same cases on any device, as a smoke test
-GPU_BUDGET_S = 480  # the whole command: tests, table, training
+GPU_TINY_SHAPE = (1, 40, 8, 4)  # --tiny: the same cases on the CPU, as a dry run
+GPU_BUDGET_S = 480  # the whole command, compiling included
 GPU_CASES = {  # selective_scan's keyword arguments
     "loop (scan_sequential)": dict(backend="sequential"),
-    "associative_scan (pointwise on CUDA)": dict(backend="associative"),
+    "associative_scan (generic, not compiled)": dict(backend="associative"),
     "pscan": dict(backend="pscan"),
-    "compiled chunked": dict(compile=True),
-    'compile="loop"': dict(compile="loop"),  # with a backward it runs as "compiled chunked"
+    "compiled fused": dict(compile=True),
+    'compile="loop"': dict(compile="loop"),  # with a backward it runs as "compiled fused"
 }
+GPU_TABLE_HEADER = ["(B, L, ED, N)", "path", "pass", "ms", "calls", "first call s", "peak MiB"]
 
 
 def timed_calls(fn, device, cap_s, repeats):
@@ -749,8 +922,9 @@ def timed_calls(fn, device, cap_s, repeats):
     return statistics.median(times), len(times), peak
 
 
-def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES):
-    """The seed's table: forward and forward+backward of selective_scan per case. Returns rows."""
+def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES, emit=None):
+    """Forward and forward+backward of selective_scan per case at `shape`. Returns rows, and
+    hands each to emit(row) as soon as it is measured."""
     inputs = selective_inputs(*shape, device=device, requires_grad=True)
     rows = []
     for name, kw in cases.items():
@@ -758,34 +932,14 @@ def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES):
             row = [str(shape), name, mode]
             left = deadline - time.perf_counter()
             if mode == "fwd+bwd" and kw.get("compile") == "loop":
-                rows.append(row + ["as compiled chunked", "", "", ""])
-                continue
-            if left < 5:
-                rows.append(row + ["skipped: out of time", "", "", ""])
-                continue
-
-            def call(kw=kw, mode=mode):
-                if mode == "fwd":
-                    with torch.no_grad():
-                        mm.selective_scan(*inputs, **kw)
-                else:
-                    mm.selective_scan(*inputs, **kw).sum().backward()
-                    for t in inputs:  # freed after the call, so each call's peak counts them
-                        t.grad = None
-
-            try:
-                sync(device)
-                t0 = time.perf_counter()
-                call()  # warm-up; for the compiled cases, the compile
-                sync(device)
-                first = time.perf_counter() - t0
-                # at most a quarter of what is left per case, so the later cases still run
-                ms, n, peak = timed_calls(call, device, min(30.0, (left - first) / 4), repeats)
-                rows.append(row + [f"{ms:.2f}", str(n), f"{first:.1f}", "" if peak is None else f"{peak:.0f}"])
-            except torch.OutOfMemoryError:
-                rows.append(row + ["out of memory", "", "", ""])
-            except Exception as err:  # a failing case must not hide the others' figures
-                rows.append(row + [f"failed: {type(err).__name__}: {str(err)[:60]}", "", "", ""])
+                row += ["as compiled fused", "", "", ""]
+            elif left < 5:
+                row += ["skipped: out of time", "", "", ""]
+            else:
+                row = gpu_case(inputs, kw, mode, device, left, repeats, row)
+            rows.append(row)
+            if emit:
+                emit(row)
             for t in inputs:  # after a failure too
                 t.grad = None
             if device.type == "cuda":
@@ -793,123 +947,225 @@ def gpu_table(device, shape, deadline, repeats, cases=GPU_CASES):
     return rows
 
 
-def gpu_training(device, args, timeout_s, arch="mamba"):
-    """A short run of train_shakespeare.py --arch ARCH with the device's defaults (bf16 autocast
-    on CUDA). Returns (final val loss or None, median tokens/s or None, a note)."""
+def gpu_case(inputs, kw, mode, device, left, repeats, row):
+    def call():
+        if mode == "fwd":
+            with torch.no_grad():
+                mm.selective_scan(*inputs, **kw)
+        else:
+            mm.selective_scan(*inputs, **kw).sum().backward()
+            for t in inputs:  # freed after the call, so each call's peak counts them
+                t.grad = None
+
+    try:
+        sync(device)
+        t0 = time.perf_counter()
+        call()  # warm-up; for the compiled cases, the compile
+        sync(device)
+        first = time.perf_counter() - t0
+        # at most a quarter of what is left per case, so the later cases still run
+        ms, n, peak = timed_calls(call, device, min(30.0, (left - first) / 4), repeats)
+        row[1] = loop_label(row[1], kw)
+        return row + [f"{ms:.2f}", str(n), f"{first:.1f}", "" if peak is None else f"{peak:.0f}"]
+    except torch.OutOfMemoryError:
+        return row + ["out of memory", "", "", ""]
+    except Exception as err:  # a failing case must not hide the others' figures
+        return row + [f"failed: {type(err).__name__}: {str(err)[:60]}", "", "", ""]
+
+
+def gpu_table_part(args, which):
+    """python bench.py --gpu-part table-eager|table-compiled: one half of the table, each row
+    printed as a JSON line the moment it is measured (the parent may kill this process)."""
+    device = torch.device("cpu" if args.tiny else "cuda")
+    shape = GPU_TINY_SHAPE if args.tiny else GPU_SHAPE
+    compiled = which == "table-compiled"
+    cases = {k: v for k, v in GPU_CASES.items() if bool(v.get("compile")) == compiled}
+    gpu_table(device, shape, time.perf_counter() + args.budget, args.repeats, cases,
+              emit=lambda row: print("ROW " + json.dumps(row), flush=True))
+
+
+def run_capped(cmd, timeout_s):
+    """Run cmd in a process group of its own and kill the whole group after timeout_s seconds.
+    Returns (stdout and stderr as text, exit status or None when it was killed)."""
+    proc = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.abspath(__file__)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        return proc.communicate(timeout=timeout_s)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0], None
+
+
+def gpu_training(args, arch, timeout_s):
+    """train_shakespeare.py --arch ARCH --max-iters N with the device's defaults (on the CPU
+    with --tiny: a toy model, bf16 autocast as on a GPU with bf16). Returns a table row."""
     import re
     import tempfile
-    here = os.path.dirname(os.path.abspath(__file__))
-    out_dir = tempfile.mkdtemp(prefix="bench_gpu_train_")
-    cmd = [sys.executable, os.path.join(here, "train_shakespeare.py"), "--arch", arch, "--device", device.type,
+    out_dir = tempfile.mkdtemp(prefix=f"bench_gpu_{arch}_")
+    cmd = [sys.executable, "train_shakespeare.py", "--arch", arch, "--device", "cpu" if args.tiny else "cuda",
            "--out-dir", out_dir, "--max-iters", str(args.train_iters), "--no-sample",
-           "--eval-interval", str(max(1, args.train_iters // 4))]
+           "--eval-interval", str(max(1, args.train_iters // 4)),
+           # one schedule for every arch, fitted to the run: its defaults are fitted to 5000 steps
+           "--warmup-iters", str(max(1, args.train_iters // 10)), "--lr-decay-iters", str(args.train_iters)]
     if args.data:
         cmd += ["--data", args.data]
-    if args.tiny:  # a toy model, so the smoke test only checks that the pieces fit together
-        cmd += ["--d-model", "32", "--n-layer", "2", "--block-size", "64", "--batch-size", "32",
-                "--eval-iters", "2", "--log-interval", "2"]
-    print("$ " + " ".join(cmd), flush=True)
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=here)
-        text, note = out.stdout + out.stderr, f"exit status {out.returncode}"
-    except subprocess.TimeoutExpired as err:
-        text = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        note = f"stopped after {timeout_s:.0f} s"
+    if args.tiny:  # a toy model of two Mamba-2 chunks per block (chunk 64), as the CUDA default has four
+        cmd += ["--d-model", "32", "--n-layer", "2", "--block-size", "128", "--batch-size", "8",
+                "--eval-iters", "2", "--log-interval", "2", "--dtype", "bf16"]
+    print("$ " + shlex.join(["python"] + cmd[1:]), flush=True)
+    text, status = run_capped(cmd, timeout_s)
     rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", text)]
-    val = None
-    log_path = os.path.join(out_dir, "log.jsonl")
-    if os.path.exists(log_path):
-        with open(log_path) as f:
+    found = {key: re.search(pattern, text) for key, pattern in (
+        ("params", r"([\d.]+M) parameters"), ("dtype", r"thread\(s\), (\w+)"),
+        ("peak", r"peak GPU memory ([\d.]+) GiB"))}
+    records = []
+    if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+        with open(os.path.join(out_dir, "log.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
-        vals = [r["val_loss"] for r in records if "val_loss" in r]
-        val = vals[-1] if vals else None
-    if val is None:
+    evals = [r for r in records if "val_loss" in r]
+    if status != 0:
         print(text[-2000:])
-    return val, statistics.median(rates) if rates else None, f"{note}, log in {out_dir}"
+    note = "killed at the deadline" if status is None else f"exit status {status}"
+    get = lambda key: found[key].group(1) if found[key] else ""
+    return [arch, get("params"), get("dtype"), f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else "",
+            f"{statistics.median(rates):,.0f}" if rates else "", f"{evals[-1]['elapsed']:.0f}" if evals else "",
+            get("peak"), f"{note}, log in {out_dir}"], status == 0
+
+
+def gpu_tests(marker, timeout_s):
+    """pytest -k cuda -m MARKER: the tests that run on CUDA (each skips where there is none)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-k", "cuda", "-m", marker, "-p", "no:cacheprovider"]
+    print("$ " + shlex.join(["python"] + cmd[1:]), flush=True)
+    text, status = run_capped(cmd, timeout_s)
+    lines = text.strip().splitlines()
+    print("\n".join(line for line in lines if line.startswith(("FAILED", "ERROR"))) or "", end="")
+    print(lines[-1] if lines else "(no output)")
+    if status is None:
+        print(f"killed at the deadline, after {timeout_s:.0f} s")
+    return status in (0, 5)  # 5: nothing selected
 
 
 def bench_gpu(args):
-    """python bench.py gpu: everything a CUDA machine should measure, in at most 8 minutes.
-    With --tiny, the same steps at a toy size on --device (a dry run for machines without one)."""
+    """python bench.py gpu: the parts listed above, in that order, within --budget seconds."""
     t_start = time.perf_counter()
-    deadline = t_start + GPU_BUDGET_S
-    if args.tiny:
-        device, shape = torch.device(args.device), GPU_TINY_SHAPE
-    else:
-        if not torch.cuda.is_available():
-            print("bench.py gpu needs a CUDA GPU, and torch sees none here (torch "
-                  f"{torch.__version__}, cuda {torch.version.cuda}). Nothing was run. For a dry run "
-                  "of the same steps at a toy size on this machine: python bench.py gpu --tiny")
-            sys.exit(1)
-        device, shape = torch.device("cuda"), GPU_SHAPE
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, {device} ({name}){', dry run at a toy size' if args.tiny else ''}")
+    deadline = t_start + args.budget
+    if not args.tiny and not torch.cuda.is_available():
+        print("bench.py gpu needs a CUDA GPU, and torch sees none here (torch "
+              f"{torch.__version__}, cuda {torch.version.cuda}). Nothing was run. For a dry run "
+              "of the same steps at a toy size on this machine: python bench.py gpu --tiny")
+        sys.exit(1)
+    name = torch.cuda.get_device_name() if not args.tiny else platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, cuda {torch.version.cuda}, {name}"
+          f"{', dry run at a toy size on the CPU' if args.tiny else ''}; budget {args.budget:.0f} s")
+    if not args.data and not os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                                                         "tinyshakespeare.txt")):
+        print("note: no --data and no data/tinyshakespeare.txt: the trainer will try to download the text "
+              "(on a machine without network, copy it there or pass --data PATH)")
+    train_header = ["--arch", "params", "dtype", "val loss", "tokens/s", "train s", "peak GiB", "run"]
+    train_rows, ok = [], True
 
-    # 1. the tests that exercise CUDA (skipped where there is none): at most 2.5 minutes
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-k", "cuda", "-p", "no:cacheprovider"]
-    print("\n$ " + " ".join(cmd[1:]), flush=True)
-    try:
-        tests = subprocess.run(cmd, cwd=here, capture_output=True, text=True, timeout=150)
-        tests_ok = tests.returncode in (0, 5)  # 5: nothing selected
-        print(tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else tests.stderr[-2000:])
-        if not tests_ok:
-            print(tests.stdout[-3000:])
-    except subprocess.TimeoutExpired as err:
-        tests_ok = False
-        partial = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        print(f"{partial[-1000:]}\nthe CUDA tests did not finish in 150 s")
+    def left(cap):
+        return min(cap, deadline - time.perf_counter())
 
-    # 2. the seed's table: what is left of the budget minus the training runs' share
-    train_s = 180  # Mamba and Mamba-2; a toy run on a busy CPU needs about as long as the real one on a GPU
-    rows = gpu_table(device, shape, deadline - train_s, args.repeats)
-    table(f"y = selective_scan(...) at (B, L, ED, N) = {shape}: median ms of warm calls, peak memory "
-          f"beyond the inputs", ["(B, L, ED, N)", "path", "pass", "ms", "calls", "first call s", "peak MiB"], rows)
+    def train(arch, cap):
+        nonlocal ok
+        if left(cap) < 15:
+            train_rows.append([arch] + [""] * 6 + ["skipped: out of time"])
+            ok = False
+        else:
+            row, good = gpu_training(args, arch, left(cap))
+            train_rows.append(row)
+            ok = ok and good
+        table(f"train_shakespeare.py --max-iters {args.train_iters}, the {'CPU, toy' if args.tiny else 'CUDA'} "
+              f"defaults but one schedule (warmup {max(1, args.train_iters // 10)} steps, cosine to the last "
+              f"step); val loss on the fixed eval windows; train s: training and evaluations", train_header,
+              train_rows)
 
-    # 3. short training runs with the device's defaults, Mamba then Mamba-2
-    rows, vals = [], []
-    for i, arch in enumerate(("mamba", "mamba2")):
-        left = max(train_s / 2, (deadline - time.perf_counter()) / (2 - i))  # its share, even after a slow table
-        val, rate, note = gpu_training(device, args, left, arch)
-        vals.append(val)
-        rows.append([arch, "" if val is None else f"{val:.4f}", "" if rate is None else f"{rate:,.0f}", note])
-    table(f"train_shakespeare.py, {args.train_iters} iterations, the {device.type} defaults"
-          f"{' with bf16 autocast' if device.type == 'cuda' else ''}", ["--arch", "val loss", "tokens/s", "run"], rows)
-    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
-    if not tests_ok or None in vals:
+    def scan_table(which, cap):
+        nonlocal ok
+        shape = GPU_TINY_SHAPE if args.tiny else GPU_SHAPE
+        title = (f"y = selective_scan(...) at (B, L, ED, N) = {shape}, {which.split('-')[1]} paths, fp32: median "
+                 f"ms of warm calls{' (CUDA events)' if not args.tiny else ''}, peak memory beyond the inputs")
+        if left(cap) < 15:
+            print(f"\n{title}: skipped, out of time")
+            ok = False
+            return
+        cmd = [sys.executable, os.path.abspath(__file__), "--gpu-part", which, "--budget", f"{left(cap) - 5:.0f}",
+               "--repeats", str(args.repeats)] + (["--tiny"] if args.tiny else [])
+        text, status = run_capped(cmd, left(cap))
+        rows = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("ROW ")]
+        if status != 0:
+            print(text[-2000:])
+            ok = False
+        table(title + ("" if status == 0 else ", killed at the deadline" if status is None else ", failed"),
+              GPU_TABLE_HEADER, rows)
+
+    def tests(marker, cap):
+        nonlocal ok
+        print(f"\nthe CUDA tests, -m {marker!r}")
+        if left(cap) < 15:
+            print("skipped: out of time")
+            ok = False
+        else:
+            ok = gpu_tests(marker, left(cap)) and ok
+
+    train("mamba", 120)
+    train("gpt", 75)
+    scan_table("table-eager", 90)
+    tests("not compile", 90)
+    train("mamba2", 75)
+    train("mamba3", 75)
+    scan_table("table-compiled", args.budget)
+    tests("compile", args.budget)
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s of a {args.budget:.0f} s budget")
+    if not ok:
         sys.exit(1)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, all; or gpu")
+                                           "train, profile, race, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, "
+                                           "all; or gpu")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke test)")
+    p.add_argument("--top", type=int, default=15, help="profile: how many ops to list")
+    r = p.add_argument_group("race (python bench.py race)")
+    r.add_argument("--max-time", type=float, default=300.0, help="seconds of training per run")
+    r.add_argument("--runs", type=int, default=2, help="runs of each model")
+    r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
     g = p.add_argument_group("gpu (python bench.py gpu)")
-    g.add_argument("--tiny", action="store_true", help="dry run of `gpu` at a toy size on --device")
-    g.add_argument("--train-iters", type=int, default=300, help="iterations of the training run")
-    g.add_argument("--data", help="text for the training run (default: the trainer's)")
+    g.add_argument("--tiny", action="store_true",
+                   help="dry run of `gpu` on the CPU: the same parts in the same order at a toy size")
+    g.add_argument("--train-iters", type=int, default=300, help="iterations of each training run")
+    g.add_argument("--data", help="the text to train on, for gpu and race (default: the trainer's "
+                                  "data/tinyshakespeare.txt, downloaded if missing; a machine without network "
+                                  "needs the file or this flag)")
+    g.add_argument("--budget", type=float, default=GPU_BUDGET_S,
+                   help="seconds for the whole command, compiling included (default %(default)s)")
+    g.add_argument("--gpu-part", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.memory_case:
         return memory_case(json.loads(args.memory_case))
-    torch.set_num_threads(args.threads)
+    if args.gpu_part:
+        return gpu_table_part(args, args.gpu_part)
+    torch.set_num_threads(args.threads or 1)
     if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses
         return bench_gpu(args)
     if "gpu" in args.what:
         p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
-              "selective": bench_selective, "train": bench_train, "generate": bench_generate,
+              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "generate": bench_generate,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3}
     whats = args.what or ["scan"]
     if whats == ["all"]:
-        whats = list(tables)
+        whats = [w for w in tables if w != "race"]  # the race trains for minutes: it runs on its own
     for what in whats:
         if what not in tables:
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")

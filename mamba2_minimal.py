@@ -103,6 +103,22 @@ def _in_compute_dtype(*tensors):
     return [t.to(dtype) for t in tensors]
 
 
+def _without_autocast(fn):
+    """fn run with autocast off on the device of its first tensor argument (positional or
+    keyword). SSD casts its inputs to fp32 at least (_in_compute_dtype), but autocast would run
+    every matmul in bf16 or fp16 again: the chunk states of ssd()'s step 2 would come out in half
+    precision beside fp32 decays, and the state would sum its terms with an 8-bit mantissa."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if device is None or not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+            return fn(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
+@_without_autocast
 def ssd_step(h, x_t, dt_t, A, B_t, C_t):
     """One step of the recurrence for every head at once: the loop below runs it over t, and
     Mamba2Mixer.step runs it on the cache, one token at a time.
@@ -112,6 +128,7 @@ def ssd_step(h, x_t, dt_t, A, B_t, C_t):
     return h, (h @ C_t[..., None]).squeeze(-1)  # y_t = h_t·C_t
 
 
+@_without_autocast
 def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
     """The SSD recurrence as a loop over t: slow, obviously right, the oracle of the tests.
 
@@ -238,6 +255,7 @@ def _quadratic(xdt, a, B, C):
     return (decay * scores) @ xdt  # (..., G, H/G, T, P)
 
 
+@_without_autocast
 def ssd_quadratic(x, dt, A, B, C, D=None):
     """The whole sequence as one masked matrix product (section 2); arguments as ssd_sequential,
     from a zero state. O(L²) time and memory: for teaching and testing, and inside ssd()'s chunks."""
@@ -281,6 +299,7 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 # Any L: the last chunk is padded with identity steps, Δ = 0, so exp(0·A) = 1 and Δ·x = 0: the
 # state passes through unchanged (the final state is exact) and the padded outputs are dropped.
 
+@_without_autocast
 def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, scan_backend="auto",
         reset=None):
     """Chunked SSD: y = SSD(Δ, A, B, C)(x) + D·x.
@@ -558,10 +577,11 @@ class Mamba2Mixer(nn.Module):
             dt = dt * attention_mask[..., None]
         xBC = F.silu(self.causal_conv(xBC_in, conv_state, seq_idx))  # (b, L, conv_dim)
         x, B, C = xBC.split([cfg.d_ssm, G * N, G * N], dim=-1)
-        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L)
+        # packed sequences: a reset where seq_idx changes (passed only then, so ssd's plain signature still serves)
+        packed = {} if seq_idx is None else {"reset": F.pad(seq_idx.diff(dim=1) != 0, (1, 0))}  # (b, L)
         y = ssd(x.unflatten(-1, (H, P)), dt, self.A, B.unflatten(-1, (G, N)),
                 C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, h0=h0, return_last_state=want_cache,
-                scan_backend=cfg.scan_backend, reset=reset)  # (b, L, H, P); with want_cache also the state (b, H, P, N)
+                scan_backend=cfg.scan_backend, **packed)  # (b, L, H, P); with want_cache also the state (b, H, P, N)
         y, h_last = y if want_cache else (y, None)
         out = self._finish(y.flatten(-2), z, z0, x0)  # (b, L, d_model)
         if not want_cache:

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 import mamba_minimal as mm
 import pscan
-from mamba2_minimal import segsum
+from mamba2_minimal import _without_autocast, segsum
 from mamba_minimal import RMSNorm, _at_least_fp32
 
 TWO_PI = 2 * math.pi
@@ -100,6 +100,7 @@ def _values(v, mimo_x):
     return v.unsqueeze(-3) if mimo_x is None else v.unsqueeze(-3) * mimo_x.transpose(0, 1).to(v.dtype)
 
 
+@_without_autocast  # the state and its sums in fp32 even under bf16 autocast
 def mamba3_step(state, q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=None, mimo_x=None,
                 pairing="adjacent"):
     """One token for every head at once (the loop below runs it over t; Mamba3Mixer.step runs it
@@ -136,6 +137,7 @@ def mamba3_step(state, q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D
     return y, (angle, h, k, v)
 
 
+@_without_autocast
 def mamba3_sequential(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=None, mimo_x=None,
                       state=None, pairing="adjacent"):
     """The recurrence as a loop over t: slow, obviously right.
@@ -280,6 +282,7 @@ def rotate(t, angle, pairing="adjacent"):
 # the last g is the final h exactly. Any L: the last chunk is padded with identity steps
 # (Δ = 0, so α = 1 and β = γ = σ = 0), which change neither y nor the state.
 
+@_without_autocast
 def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=None, mimo_x=None,
                    state=None, pairing="adjacent", chunk_size=64, return_state=False, scan_backend="auto",
                    reset=None):

@@ -11,7 +11,7 @@ checkpoints, and the input checks wait in an appendix.
     3. The block                        MambaConfig, RMSNorm, the mixer            (Mamba.forward, mamba_inner_ref)
     4. The language model               residual blocks, the LM, its init         (MambaLMHeadModel)
     5. Recurrent inference              prefill, an O(1) step per token, generate  (Mamba.step, selective_state_update)
-    6. Making it fast                   the fused chunked scan, torch.compile, recompute; selective_scan()
+    6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan()
     7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
     8. Appendix: input checks
 
@@ -38,6 +38,7 @@ The recurrence h_t = a_t·h_{t-1} + b_t itself, and every way to run it, lives i
 that file first.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -157,7 +158,7 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
         D:       (ED,)       skip connection, or None
         z:       (b, L, ED)  gate, or None
         h0:      (b, ED, N)  initial state, or None for zeros
-        backend: any of pscan.BACKENDS
+        backend: any of pscan.BACKENDS, the scan that runs the recurrence
     Returns:
         y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
     """
@@ -165,7 +166,9 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
     h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (b, L, ED, N)
-    y = (h @ C.unsqueeze(-1)).squeeze(-1)  # (b, L, ED)  y_t = C_t·h_t
+    # y_t = C_t·h_t as a product and a sum, not a matmul: bf16 autocast runs matmuls in bf16, and
+    # the read-out of an fp32 state has to stay fp32 like the state itself
+    y = (h * C.unsqueeze(-2)).sum(-1)  # (b, L, ED)
     y = skip_and_gate(y, x, D, z)  # (b, L, ED)
     # a copy, not the view h[:, -1]: the view would keep all of h, (b, L, ED, N), alive for as
     # long as the caller keeps the final state (the inference cache keeps it for good)
@@ -207,7 +210,7 @@ class MambaConfig:
     scan_backend: str = "auto"
     compile_scan: Union[bool, str] = False  # False, True or "loop": selective_scan's compile
     chunk_size: int = 16
-    recompute: bool = True  # chunked paths: hand-written, recomputing backward (vs plain autograd)
+    recompute: bool = True  # the fused path: hand-written, recomputing backward (vs plain autograd)
 
     def __post_init__(self):
         _check_config(self)  # the appendix
@@ -371,13 +374,10 @@ class MambaMixer(nn.Module):
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
         x = F.silu(self.causal_conv(x_in))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
-        if cfg.compile_scan or cfg.scan_backend == "chunked":  # section 6's fast path, equal to rounding
-            y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
-                                       compile=cfg.compile_scan, return_last_state=True,
-                                       chunk_size=cfg.chunk_size, recompute=cfg.recompute)
-        else:
-            y, h_last = selective_scan_reference(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend)
-        y = y.to(x.dtype)  # (b, L, ED); the scan ran in fp32 at least
+        # section 6's selective_scan: selective_scan_reference's numbers, with a backward written by hand
+        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
+                                   compile=cfg.compile_scan, return_last_state=True,
+                                   chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (b, L, ED) in x's dtype
         out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
@@ -504,8 +504,10 @@ class MambaLM(nn.Module):
                             (the logits at padded positions mean nothing)
         """
         _check_token_ids(input_ids)
-        _check_token_range(input_ids, self.cfg.vocab_size)
-        use = _check_use(self, input_ids, cache, seq_idx, attention_mask)
+        read_values = want_cache or input_ids.device.type == "cpu"  # reading values off a GPU waits for it: see section 8
+        if read_values:
+            _check_token_range(input_ids, self.cfg.vocab_size)
+        use = _check_use(self, input_ids, cache, seq_idx, attention_mask, read_values)
         h = self.backbone.embedding(input_ids)  # (b, L, d_model)
         new_cache = []
         for i, layer in enumerate(self.backbone.layers):
@@ -617,8 +619,141 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 # Sections 1 to 5 are the whole model. This section changes how the selective scan is computed,
 # not what: every path below is tested against selective_scan_reference and a float64 loop.
 #
-# Where the time goes. The reference writes dA, dBx and h to memory as (b, L, ED, N) tensors
-# and reads them back several times: for the training shape (12, 64, 256, 16) that is 12.6 MB
+# One backward for the whole scan. Autograd through selective_scan_reference differentiates each
+# broadcast on its own: exp(Δ·A), Δ·B·x and C·h each materialize and reduce (b, L, ED, N) tensors
+# in the backward, about half of a CPU training step (`python bench.py profile`). The official
+# selective_scan_fn has one backward for the whole operation, and so has _SelectiveScan below. Its
+# formulas, shared with the fused path's chunk backward (_scan_chunk_backward), follow from
+# h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t with dA_t = exp(Δ_t·A), y_t = C_t·h_t, and
+# out = (y + D·x)·SiLU(z); grad_X is dLoss/dX, and dA_t is the forward's decay, never a gradient.
+#
+#   The skip and the gate, with SiLU'(z) = σ(z)·(1 + z·(1 - σ(z))):
+#       grad_y = grad_out·SiLU(z)        grad_z = grad_out·(y + D·x)·SiLU'(z)
+#       grad_D = Σ_{b,t} grad_y·x        grad_x gets grad_y·D
+#   The state. G_t = dLoss/dh_t in total, through y_t and through every later state, is pscan.py's
+#   reverse recurrence (its section 8), driven by the read-out; grad_h is the final state's gradient:
+#       G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},        G_{L-1} = grad_y_{L-1}·C_{L-1} + grad_h
+#   Every input, summing over what it touches (G_t·B_t sums over the N states):
+#       grad_C_t = Σ_ed grad_y_t·h_t      grad_B_t = Σ_ed G_t·Δ_t·x_t      grad_x_t = Δ_t·(G_t·B_t)
+#       grad_Δ_t = x_t·(G_t·B_t) + Σ_n G_t·h_{t-1}·dA_t·A
+#       grad_A = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t                              grad_h0 = dA_0·G_0
+#
+# The eager forward has every state in memory anyway, so each Σ above is one pass over the whole
+# sequence, and G is one reverse scan run by the forward's own backend. The forward keeps its
+# inputs, the decays dA and the states h: recomputing dA would save memory but costs an exp per
+# value, the dearest op of the backward. Every new (b, L, ED, N) tensor also costs the allocator
+# fresh memory, which the operating system hands out page by page, so the backward works in place
+# where it can.
+#
+# Layout: inside _SelectiveScan the states are (b, L, N, ED), ED last, not section 1's
+# (b, L, ED, N). With N as small as 4, a last dimension of N turns every broadcast (Δ·A, Δ·B·x,
+# grad_y·C) and every sum over N into loops of 4 values; with ED last they run over 256
+# contiguous values (several times faster at the trainer's shape), and the read-out and G·B
+# become batched (1, N) @ (N, ED) matmuls.
+
+def _reverse_scan(dA, grad_h, grad_last, backend):
+    """G_t = grad_h_t + dA_{t+1}·G_{t+1}, G_{L-1} = grad_h_{L-1} + grad_last: the recurrence of
+    pscan.py run backwards in time by the forward's backend. dA, grad_h: (b, L, *rest); grad_last:
+    (b, *rest). Returns G (b, L, *rest), overwriting grad_h where the backend scans in place."""
+    G = grad_h  # (b, L, *rest)
+    if backend == "sequential":  # pscan.scan_sequential's loop, walked from the end, in place
+        G_steps, dA_steps = G.unbind(1), dA.unbind(1)  # views, one per step: (b, *rest) each
+        G_steps[-1].add_(grad_last)
+        for t in range(G.shape[1] - 2, -1, -1):
+            G_steps[t].addcmul_(dA_steps[t + 1], G_steps[t + 1])
+        return G
+    if backend in ("pscan", "associative"):  # the Brent-Kung tree in reverse, in place, as pscan.py's
+        G[:, -1] += grad_last                # own backward of both runs it (its sections 5 and 8)
+        return pscan._brent_kung_(G, dA[:, 1:], reverse=True)
+    # any other scan: pscan.scan on the time-reversed sequence. The step after the last one is the
+    # identity (dA = 1), which lets grad_last enter as the start state.
+    dA_next = torch.cat([dA[:, 1:], torch.ones_like(dA[:, :1])], dim=1)  # (b, L, *rest)  dA_{t+1}
+    return pscan.scan(dA_next.flip(1), grad_h.flip(1), grad_last, backend).flip(1)
+
+
+def _autocast_off(device):
+    """Autocast turned off on device; nothing to turn off where torch has no autocast (meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+class _SelectiveScan(torch.autograd.Function):
+    """selective_scan_reference's forward; the backward above. Takes fp32 or fp64 tensors, and
+    computes in their dtype whatever autocast says: under bf16 autocast a matmul would round the
+    read-out C·h, and the states it saves for the backward, to bf16."""
+
+    @staticmethod
+    def forward(ctx, x, delta, A, B, C, D, z, h0, backend):
+        with _autocast_off(x.device):
+            A_transposed = A.t().contiguous()  # (N, ED); a strided one makes the broadcast 1.5x slower
+            dA = torch.exp(delta.unsqueeze(-2) * A_transposed)  # (b, L, N, ED)  exp(Δ·A)
+            dBx = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x
+            h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
+            if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
+                backend = pscan.choose_backend(dA, dBx, h_start)
+            h = pscan.scan(dA, dBx, h_start, backend)  # (b, L, N, ED)
+            y = (C.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, ED)  C_t·h_t
+        ctx.backend = backend
+        ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y)  # the inputs, dA, h and y
+        return skip_and_gate(y, x, D, z), h[:, -1].transpose(1, 2).contiguous()  # (b, L, ED), (b, ED, N)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_last):
+        x, delta, A, B, C, D, z, h0, dA, h, y = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative will follow
+            return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None)
+        with _autocast_off(x.device):
+            grad_y, grad_z = grad_out, None  # (b, L, ED)
+            if z is not None:
+                sig = torch.sigmoid(z)
+                grad_z = grad_out * skip_and_gate(y, x, D, None) * sig * (1 + z * (1 - sig))
+                grad_y = grad_out * z * sig  # grad_out·SiLU(z)
+            grad_h = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  through y_t only
+            G = _reverse_scan(dA, grad_h, grad_last.transpose(1, 2), ctx.backend)  # (b, L, N, ED)
+            first = torch.zeros_like(h[:, :1]) if h0 is None else h0.transpose(1, 2).unsqueeze(1)
+            through_dA = torch.cat([first, h[:, :-1]], dim=1).mul_(dA).mul_(G)  # (b, L, N, ED)  dLoss/d(Δ_t·A)
+            GB = (B.unsqueeze(-2) @ G).squeeze(-2)  # (b, L, ED)  G_t·B_t
+            grad_x = delta * GB  # (b, L, ED)
+            grad_delta = x * GB + (through_dA * A.t().contiguous()).sum(-2)  # (b, L, ED)
+            grad_A = through_dA.mul_(delta.unsqueeze(-2)).sum((0, 1)).t()  # (ED, N)
+            grad_B = (G * (delta * x).unsqueeze(-2)).sum(-1)  # (b, L, N)
+            grad_C = (h * grad_y.unsqueeze(-2)).sum(-1)  # (b, L, N)
+            grad_D = grad_h0 = None
+            if D is not None:
+                grad_D = (grad_y * x).sum((0, 1))  # (ED,)
+                grad_x = grad_x + grad_y * D
+            if h0 is not None:
+                grad_h0 = (dA[:, 0] * G[:, 0]).transpose(1, 2)  # (b, ED, N)
+        return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None
+
+
+def _recorded_gradients(ctx, inputs, grad_out, grad_last):
+    """The gradients as a graph that can be differentiated again (a Hessian, a gradient penalty):
+    selective_scan_reference recomputed under autograd and differentiated with create_graph. Only
+    then; a plain backward takes the lean path above."""
+    wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    with torch.enable_grad():
+        y, h_last = selective_scan_reference(*inputs, backend=ctx.backend)
+        found = torch.autograd.grad((y, h_last), [inputs[i] for i in wanted], (grad_out, grad_last),
+                                    create_graph=True)
+    grads = [None] * len(inputs)
+    for i, g in zip(wanted, found):
+        grads[i] = g
+    return grads
+
+
+def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto"):
+    """selective_scan_reference (same arguments, same numbers to rounding) through _SelectiveScan:
+    the backward written above instead of autograd's. Returns y and the final state, in fp32 (fp64
+    for fp64 inputs)."""
+    x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
+    D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
+    return _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend)
+
+
+# The fused path. Where the time goes: the reference writes dA, dBx and h to memory as
+# (b, L, ED, N) tensors and reads them back several times: for the training shape (12, 64, 256, 16) that is 12.6 MB
 # each, for a long sequence gigabytes, while the inputs x, Δ, B, C are N times smaller. The
 # arithmetic is trivial; the cost is memory traffic.
 #
@@ -635,11 +770,14 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 # one kernel (C++ on a CPU, Triton on a GPU) that reads x, Δ, B, C, z once and writes y once,
 # the states staying in registers and cache.
 #
-# Unlike pscan.scan_chunked (pscan.py section 7), which scans every chunk from a zero state in
-# parallel and then corrects each by its carried-in state, each chunk here runs its T steps one
-# after another from the carried state, as the official kernel walks its chunks: so there is no
-# summary scan and no correction pass. The parallelism is across the b·ED·N independent
-# recurrences, which fill a CPU's vector lanes.
+# Sequential in time, parallel across channels: this is what makes the fused path fast on a CPU.
+# Each chunk runs its T steps one after another from the carried state, and every step is one
+# vector operation over the b·ED·N independent recurrences, which fill the CPU's vector lanes, as
+# each thread of the official kernel walks its own consecutive steps in order. The parallel scans
+# of pscan.py are a lesson about depth (how few dependent steps the recurrence needs given enough
+# processors), not what makes a CPU fast: a few cores cannot repay their extra work. Nor is this
+# pscan.py's two-level scan (its section 7), which scans every chunk from a zero state and then
+# corrects each by its carried-in state: here there is no summary scan and no correction pass.
 #
 # The chunk length T = 16 (chunk_size) was measured: 32 halves the number of calls but trains
 # slower (the backward kernel grows) and compiles twice as long (README, "The selective scan
@@ -682,21 +820,10 @@ def _scan_chunk(x, delta, A, B, C, D, z, h):
 
 
 def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
-    """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states.
-    grad_X is dLoss/dX; dA_t = exp(Δ_t·A) is the forward's decay, as everywhere in this file.
-
-    The skip and the gate first. With y_t = C_t·h_t the scan's own output and
-    out = (y + D·x)·SiLU(z), where SiLU'(z) = σ(z)·(1 + z·(1 - σ(z))):
-        grad_y = grad_out·SiLU(z)     grad_z = grad_out·(y + D·x)·SiLU'(z)
-        grad_D = Σ_{b,t} grad_y·x     grad_x gets grad_y·D
-    Then the scan. With G_t = dLoss/dh_t in total (through y_t and through every later state):
-        G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},    G_{T-1} = grad_y_{T-1}·C_{T-1} + grad_h
-    and, since h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t and dA_t = exp(Δ_t·A), summing over what each
-    input touches:
-        grad_C_t = Σ_ed grad_y_t·h_t      grad_B_t = Σ_ed G_t·Δ_t·x_t      grad_x_t = Δ_t·(G_t·B_t)
-        grad_Δ_t = x_t·(G_t·B_t) + Σ_n G_t·h_{t-1}·dA_t·A
-        grad_A = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t                            grad_h0 = dA_0·G_0
-    Every reduction is taken inside the reverse loop, step by step. Batching them after the loop
+    """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states:
+    the formulas of "One backward for the whole scan" at the top of this section, on a chunk of T
+    steps (grad_h is the gradient of the chunk's end state). Every reduction is taken inside the
+    reverse loop, step by step. Batching them after the loop
     looks more vectorized but needs G and h as (b, T, ED, N) tensors. In Inductor's generated C++
     the per-step reductions over N fuse into the reverse pass and those over ED and the batch
     become small loops per step; that ran 1.8x faster than the batched form.
@@ -763,7 +890,7 @@ class _RecomputedChunk(torch.autograd.Function):
         # Its gradients are computed, not recorded, so they cannot be differentiated again. Say
         # so: @once_differentiable would let torch.autograd.functional.hessian return zeros.
         if torch.is_grad_enabled():
-            raise RuntimeError("the chunked selective scan's recomputing backward cannot be differentiated "
+            raise RuntimeError("the fused selective scan's recomputing backward cannot be differentiated "
                                "again (create_graph=True, a Hessian); use recompute=False (plain autograd "
                                "through each chunk) or backend='sequential'")
         # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
@@ -826,8 +953,8 @@ def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
     return y.flatten(1, 2), h  # (b, K·T, ED), (b, ED, N)
 
 
-def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
-                           recompute=True, compile=False):
+def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
+                         recompute=True, compile=False):
     """The scan chunk by chunk, computed in fp32 at least (as section 2). Returns y (b, L, ED) and
     the final state (b, ED, N)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
@@ -867,13 +994,18 @@ def chunked_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_siz
     return torch.cat(ys, dim=1)[:, :l], h  # (b, L, ED), (b, ED, N)
 
 
+chunked_selective_scan = fused_selective_scan  # the old name of fused_selective_scan
+
+
 # The public entry point. It keeps the signature of the official selective_scan_fn (with Δ
 # already through softplus, and a (b, L, ED) layout instead of its (b, ED, L)) and sends each
-# call to the reference of section 2 or to the chunked path above.
-
-# "chunked" here names the fused path above; pscan.scan_chunked, the two-level scan of pscan.py,
-# is a different algorithm that selective_scan does not use (it is slower than pscan on a CPU).
-SCAN_BACKENDS = pscan.BACKENDS  # the same names; only "chunked" is routed differently
+# call to eager_selective_scan (section 2's reference with the backward above) or to the fused path.
+#
+# The eager backends name the pscan.py scan that runs the recurrence; "fused" is this section's
+# chunk-by-chunk path, which runs its own loop. "chunked" is the fused path's old name, still
+# accepted; it is not pscan.py's two-level scan, which is "two_level" here.
+SCAN_BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative", "fused", "chunked")
+FUSED_BACKENDS = ("fused", "chunked")
 COMPILE_MODES = (False, True, "loop")
 
 
@@ -884,24 +1016,24 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
 
     Args:
         x, delta, A, B, C, D, z, h0: as in selective_scan_reference (section 2)
-        backend: "sequential", "pscan", "hillis_steele", "associative" (selective_scan_reference:
-                 pscan.py over materialized tensors), "chunked" (the fused path of this section)
-                 or "auto" (pscan.scan's choice)
-        compile: False; True to run the chunked path through torch.compile (implies
-                 backend="chunked"), chunk by chunk; "loop" to compile, for forward-only passes,
+        backend: "sequential", "pscan", "hillis_steele", "two_level", "associative" (the pscan.py
+                 scan that eager_selective_scan runs over materialized tensors), "auto" (pscan.scan's
+                 choice), or "fused" (the fused path of this section; "chunked" is its old name)
+        compile: False; True to run the fused path through torch.compile (implies
+                 backend="fused"), chunk by chunk; "loop" to compile, for forward-only passes,
                  the loop over chunks as well (faster on long sequences, but every new process
                  compiles it again)
-        chunk_size, recompute: the chunked path's T and its recomputing backward (see above)
+        chunk_size, recompute: the fused path's T and its recomputing backward (see above)
     Returns:
         y: (b, L, ED) in x's dtype, and with return_last_state the final state (b, ED, N) in fp32
         (fp64 for fp64 inputs)
     """
     _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile)
     out_dtype = x.dtype
-    if compile or backend == "chunked":
-        y, h_last = chunked_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
+    if compile or backend in FUSED_BACKENDS:
+        y, h_last = fused_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
     else:
-        y, h_last = selective_scan_reference(x, delta, A, B, C, D, z, h0, backend)
+        y, h_last = eager_selective_scan(x, delta, A, B, C, D, z, h0, backend)
     y = y.to(out_dtype)
     return (y, h_last) if return_last_state else y
 
@@ -1078,8 +1210,11 @@ def load_weights(model, folder, device=None, dtype=None):
 # 8. Appendix: input checks
 # ------------------------------------------------------------------------------------------------
 # Bad input gets an error that names what was expected, before any work is done. None of these
-# checks reads a tensor's values except _check_token_range, which is kept off the per-token path
-# (on a GPU, reading a value waits for the device).
+# checks reads a tensor's values except _check_token_range and _check_use's checks of seq_idx and
+# attention_mask: on a GPU, reading a value waits for the device, so a training step would wait
+# once per forward. They run on CPU ids in forward and step, and once per prompt (prefill, and so
+# generate) on any device; off the CPU, an id out of range in a plain forward stops the embedding
+# with the device's own index error instead, and a plain forward trusts seq_idx and the mask.
 
 def _is_positive_int(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -1093,8 +1228,7 @@ def _check_config(cfg):
             raise ValueError(f"MambaConfig.{name} must be a positive integer, got {value!r}")
     if cfg.dt_rank != "auto" and not _is_positive_int(cfg.dt_rank):
         raise ValueError(f"MambaConfig.dt_rank must be 'auto' or a positive integer, got {cfg.dt_rank!r}")
-    if cfg.scan_backend not in SCAN_BACKENDS:
-        raise ValueError(f"MambaConfig.scan_backend must be one of {SCAN_BACKENDS}, got {cfg.scan_backend!r}")
+    _check_backend(cfg.scan_backend, "MambaConfig.scan_backend")
     if cfg.compile_scan not in COMPILE_MODES:
         raise ValueError(f"MambaConfig.compile_scan must be one of {COMPILE_MODES}, got {cfg.compile_scan!r}")
     if cfg.dt_init not in ("random", "constant"):
@@ -1103,9 +1237,15 @@ def _check_config(cfg):
         raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
 
 
+def _check_backend(backend, what):
+    # an eager backend is a pscan.py scan: pscan.BACKENDS decides which names it knows
+    known = tuple(b for b in SCAN_BACKENDS if b in FUSED_BACKENDS or b in pscan.BACKENDS)
+    if backend not in known:
+        raise ValueError(f"{what} must be one of {known}, got {backend!r}")
+
+
 def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
-    if backend not in SCAN_BACKENDS:
-        raise ValueError(f"backend must be one of {SCAN_BACKENDS}, got {backend!r}")
+    _check_backend(backend, "backend")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     if x.dim() != 3:
@@ -1177,9 +1317,10 @@ def _check_step_inputs(model, token_ids, cache):
                                  f"it for this model), got {t.dtype} on {t.device}")
 
 
-def _check_use(model, input_ids, cache, seq_idx, attention_mask):
-    """forward's cache, seq_idx and attention_mask, checked against input_ids (b, L) and the model.
-    Returns the mixers' keyword arguments: seq_idx as int64, the mask as bool (b, L); None left out."""
+def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=True):
+    """forward's cache, seq_idx and attention_mask, checked against input_ids (b, L) and the model,
+    their values only with read_values. Returns the mixers' keyword arguments: seq_idx as int64,
+    the mask as bool (b, L); None left out."""
     b, L = input_ids.shape
     use = {}
     if cache is not None:
@@ -1191,7 +1332,7 @@ def _check_use(model, input_ids, cache, seq_idx, attention_mask):
                    else type(seq_idx).__name__)
             raise ValueError(f"seq_idx must be an integer tensor of shape ({b}, {L}) like input_ids, on "
                              f"{input_ids.device}, got {got}")
-        if (seq_idx.diff(dim=1) < 0).any():
+        if read_values and (seq_idx.diff(dim=1) < 0).any():
             raise ValueError("seq_idx must be non-decreasing along each row (packed sequences, one after "
                              "another)")
         use["seq_idx"] = seq_idx.long()
@@ -1203,10 +1344,11 @@ def _check_use(model, input_ids, cache, seq_idx, attention_mask):
             raise ValueError(f"attention_mask must be a bool or integer tensor of shape ({b}, {L}) like "
                              f"input_ids, on {input_ids.device}, got {got}")
         mask = attention_mask.long()
-        if ((mask != 0) & (mask != 1)).any() or (mask.diff(dim=1) < 0).any() or (mask[:, -1] != 1).any():
+        if read_values and (((mask != 0) & (mask != 1)).any() or (mask.diff(dim=1) < 0).any()
+                            or (mask[:, -1] != 1).any()):
             raise ValueError("attention_mask must be left padding: each row 0s (padding) then 1s (tokens), "
                              "ending with a token")
-        if cache is not None and (mask == 0).any():
+        if read_values and cache is not None and (mask == 0).any():
             raise ValueError("attention_mask with a cache must be all ones: padding would sit between the "
                              "cache and the new tokens")
         use["attention_mask"] = mask.bool()

@@ -188,6 +188,23 @@ def test_chunked_ssd_in_fp32_and_bf16_is_computed_in_fp32():
     assert y16.dtype == torch.bfloat16 and h16.dtype == torch.float64  # the state keeps the widest dtype
 
 
+def test_chunked_ssd_under_bf16_autocast_computes_the_state_in_fp32():
+    # autocast runs matmuls in bf16 (on CUDA in every training step of the trainer); the chunk
+    # states of step 2 would come out in bf16 next to fp32 decays, and sum in 8-bit mantissas
+    inputs = [t.requires_grad_() for t in ssd_inputs(L=21, G=2)]  # three chunks of 8, the last partial; h0
+    expected = reference_ssd(*inputs)
+    moved = [t.detach().float().requires_grad_() for t in inputs]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m2.ssd(*moved[:5], 8, moved[5], moved[6], return_last_state=True)
+    assert got[0].dtype == got[1].dtype == torch.float32
+    weights = [torch.randn_like(t) for t in expected]  # backward outside autocast, as in training
+    grads_expected = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, expected)), inputs)
+    grads_got = torch.autograd.grad(sum((w.float() * t).sum() for w, t in zip(weights, got)), moved)
+    assert_all_close([t.detach().double() for t in list(got) + list(grads_got)],
+                     list(expected) + list(grads_expected), atol=1e-4, rtol=1e-4,
+                     names=["y", "h_last"] + ["grad " + n for n in NAMES])
+
+
 def test_final_state_owns_only_its_storage():
     x, dt, A, B, C, D, h0 = ssd_inputs(L=37)
     _, h = m2.ssd(x, dt, A, B, C, 4, D, h0, return_last_state=True)
@@ -477,6 +494,26 @@ def test_prefill_then_steps_reproduce_the_parallel_forward(prompt_len):
     torch.testing.assert_close(logits, full[:, :prompt_len], atol=1e-12, rtol=1e-10)
     for t in range(prompt_len, ids.shape[1]):
         torch.testing.assert_close(model.step(ids[:, t], cache), full[:, t], atol=1e-12, rtol=1e-10)
+
+
+def test_prefill_under_bf16_autocast_follows_the_float64_loop(monkeypatch):
+    # a prompt of three chunks: prefill asks ssd() for the final state, so steps 2-4 run
+    model = float64_model()
+    ids = torch.randint(0, 50, (2, 21), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, cache = model.float().prefill(ids)
+    assert all(ssm.dtype == torch.float32 for _, ssm in cache)
+
+    def loop(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, scan_backend="auto"):
+        y, h = reference_ssd(x, dt, A, B, C, D, h0)
+        return (y, h) if return_last_state else y
+
+    monkeypatch.setattr(m2, "ssd", loop)  # the oracle: the per-head float64 loop in every layer
+    expected, expected_cache = model.double().prefill(ids)
+    # bf16 matmuls around the SSD (in_proj, out_proj, the head) keep about 3 significant digits
+    assert (logits.double() - expected).abs().max() < 0.03 * expected.abs().max()
+    for (_, ssm), (_, ssm_ref) in zip(cache, expected_cache):
+        assert (ssm.double() - ssm_ref).abs().max() < 0.03 * ssm_ref.abs().max()
 
 
 @pytest.mark.parametrize("kw", [dict(ngroups=1, d_conv=2), dict(d_ssm=32, ngroups=1), dict(dt_limit=(0.1, 0.3))])

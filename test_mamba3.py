@@ -191,6 +191,40 @@ def test_chunked_form_matches_the_float64_loop_outputs_and_final_state(case):
     assert_states_close(state, state_ref)
 
 
+def test_the_core_under_bf16_autocast_keeps_the_state_and_its_sums_in_fp32():
+    # the training step on a GPU runs under bf16 autocast: its matmuls must not round the state
+    case = (16, 4, 2, 1, 8, 2, 0.5, True, True, "halves")  # several chunks, MIMO, an initial state
+    L, T, H, G, N, R, frac, _, _, pairing = case
+    inputs = mamba3_inputs(L=L, H=H, G=G, N=N, R=R, S=num_rope_angles(N, frac), with_state=True)
+    y_ref, state_ref = reference_mamba3(**inputs, pairing=pairing)
+    fp32 = {k: (tuple(t.float() for t in v) if isinstance(v, tuple) else v if v is None else v.float())
+            for k, v in inputs.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, state = m3.mamba3_chunked(**fp32, pairing=pairing, chunk_size=T, return_state=True)
+        y_loop, _ = m3.mamba3_sequential(**fp32, pairing=pairing)
+    assert y.dtype == y_loop.dtype == torch.float32 and state[1].dtype == torch.float32
+    for got in (y, y_loop):
+        torch.testing.assert_close(got.double(), y_ref, atol=1e-4, rtol=1e-4)
+    assert_states_close([t.double() for t in state], state_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_the_model_trains_and_generates_under_bf16_autocast():
+    torch.manual_seed(0)
+    model = m3.Mamba3LM(m3.Mamba3Config(d_model=32, n_layer=2, vocab_size=20, d_state=8, headdim=8, chunk_size=8))
+    ids = torch.randint(0, 20, (2, 21))  # three chunks
+    with torch.no_grad():
+        expected = model.double()(ids)
+    model.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids)
+        logits.float().logsumexp(-1).mean().backward()
+        prefill_logits, cache = model.prefill(ids[:, :20])
+        step_logits = model.step(ids[:, 20], cache)
+    assert all(t.dtype == torch.float32 for layer in cache for t in layer)
+    for got, want in ((logits, expected), (prefill_logits, expected[:, :20]), (step_logits, expected[:, 20])):
+        torch.testing.assert_close(got.double(), want, atol=0.05, rtol=0.05)  # bf16 projections
+
+
 def test_worst_float64_difference_over_the_random_cases_is_at_rounding_level():
     """Run with -s to print the figure: the worst |chunked - loop| over every case and 3 seeds."""
     worst = 0.0

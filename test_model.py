@@ -555,6 +555,8 @@ def test_cuda_compiled_paths_match_the_float64_cpu_reference():
             want = torch.autograd.grad(y64, ref_inputs, gy)
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.double().cpu(), w.double(), rtol=1e-3, atol=1e-3)
+    if TORCH_VERSION >= (2, 7):  # compile="loop" compiled its loop, and did not fall back to per-chunk calls
+        assert mm._compiled_loop_works, "compile='loop' fell back to one compiled call per chunk on CUDA"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -680,6 +682,23 @@ def test_generate_reads_the_token_values_once_not_per_token(monkeypatch):
     _, cache = model.prefill(prompt)
     with pytest.raises(ValueError, match=r"\[0, 21\)"):  # a direct step on CPU ids still checks them
         model.step(torch.tensor([3, 21]), cache)
+
+
+def test_a_training_forward_off_the_cpu_reads_no_token_values(monkeypatch):
+    # on a GPU, reading min/max of the ids in every forward waits for the device once per step;
+    # the meta device stands in for it (its tensors have no values: a read would raise)
+    reads = []
+    check = mm._check_token_range
+    monkeypatch.setattr(mm, "_check_token_range", lambda ids, v: reads.append(ids.device.type) or check(ids, v))
+    with torch.device("meta"):
+        model = tiny_model()
+        ids = torch.zeros(2, 5, dtype=torch.long)
+    logits = model(ids)
+    logits.sum().backward()
+    assert logits.shape == (2, 5, 24) and reads == []
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 21\), got min 0 and max 21"):
+        tiny_model()(torch.tensor([[0, 3, 21]]))  # CPU ids are still checked in every forward
+    assert reads == ["cpu"]
 
 
 def test_more_bad_checkpoints_raise_errors_that_name_the_problem(tmp_path, monkeypatch):

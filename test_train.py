@@ -1,6 +1,7 @@
 """Specification of train_shakespeare.py, on a small text each test writes for itself."""
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -585,6 +586,22 @@ def test_the_batch_windows_depend_on_the_rank(monkeypatch):
     assert not torch.equal(x0[:, 0], x1[:, 0])  # each process trains on its own windows
 
 
+def test_cuda_batches_are_pinned_and_copied_without_waiting(monkeypatch):
+    # a blocking copy from pageable memory would make the loop wait for the GPU at every step;
+    # a CPU-only build has no CUDA device, so the two calls are recorded instead of made
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, **kw: calls.append((str(device), kw)) or self)
+    x, y = ts.windows(torch.arange(100), torch.tensor([3, 50]), 8, torch.device("cuda"))
+    monkeypatch.undo()
+    assert calls == ["pin", ("cuda", {"non_blocking": True})] * 2
+    assert torch.equal(x, torch.stack([torch.arange(3, 11), torch.arange(50, 58)]))
+    assert torch.equal(y, x + 1)
+    if torch.cuda.is_available():  # and the real copy, where there is a GPU
+        x_gpu, y_gpu = ts.windows(torch.arange(100), torch.tensor([3, 50]), 8, torch.device("cuda"))
+        assert x_gpu.is_cuda and torch.equal(x_gpu.cpu(), x) and torch.equal(y_gpu.cpu(), y)
+
+
 # ------------------------------------------------------------------------------------------------
 # The architectures: Mamba, Mamba-2 and the GPT yardstick on the same data, windows and log
 # ------------------------------------------------------------------------------------------------
@@ -683,6 +700,108 @@ def test_mamba2_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypa
     ckpt = trains_resumes_and_samples("mamba2", MAMBA2_TINY, lambda config: Mamba2LM(Mamba2Config(**config)),
                                       text_file, tmp_path, capsys, monkeypatch)
     assert (ckpt["config"]["headdim"], ckpt["config"]["d_state"], ckpt["config"]["d_model"]) == (8, 8, 16)
+
+
+def test_mamba2_training_step_under_bf16_autocast_follows_the_float64_loop(monkeypatch):
+    # the CUDA default's situation on a CPU: bf16 autocast, and a block of several SSD chunks
+    # (here block 96 and the trainer's chunk of 64: two chunks, the second one padded)
+    import copy
+
+    import mamba2_minimal as m2
+    from test_mamba2 import reference_ssd
+    monkeypatch.setattr(ts, "VOCAB_SIZE", 20)
+    args = ts.parse_args(["--arch", "mamba2", "--d-model", "32", "--n-layer", "2", "--d-state", "8",
+                          "--headdim", "16", "--block-size", "96", "--grad-clip", "0"])
+    ts.fill_defaults(args, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = ts.build_model("mamba2", ts.model_kwargs(args, 20))
+    assert model.cfg.chunk_size == 64
+    ids = torch.randint(0, 20, (2, 97), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1], ids[:, 1:]  # (2, 96) each
+
+    reference = copy.deepcopy(model).double()
+
+    def loop(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, scan_backend="auto"):
+        y, h = reference_ssd(x, dt, A, B, C, D, h0)
+        return (y, h) if return_last_state else y
+
+    with monkeypatch.context() as m:
+        m.setattr(m2, "ssd", loop)  # the oracle: the per-head float64 loop in every layer
+        loss_ref = ts.loss_fn(reference, x, y, contextlib.nullcontext())
+        grads_ref = torch.autograd.grad(loss_ref, list(reference.parameters()))
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = ts.train_step(model, optimizer, x, y, args, ts.precision(torch.device("cpu"), "bf16")[0])
+    # bf16 matmuls keep about 3 significant digits
+    assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
+    for (name, p), g_ref in zip(model.named_parameters(), grads_ref):
+        assert (p.grad.double() - g_ref).norm() <= 0.05 * g_ref.norm() + 1e-6, name
+
+
+def test_dtype_defaults_to_bf16_where_the_gpu_has_it_fp16_on_older_gpus_fp32_elsewhere(monkeypatch):
+    asked = []
+
+    def bf16_supported(has_it):
+        return lambda including_emulation=True: asked.append(including_emulation) or has_it
+
+    assert ts.default_dtype(torch.device("cpu")) == "fp32" and defaults_for([]).dtype == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(True))
+    args = ts.parse_args([])
+    ts.fill_defaults(args, torch.device("cuda"))
+    assert args.dtype == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(False))  # a T4 or V100
+    assert ts.default_dtype(torch.device("cuda")) == "fp16"
+    assert asked == [False, False]  # emulated bf16 (slow) does not count
+    args = ts.parse_args(["--dtype", "fp32"])
+    ts.fill_defaults(args, torch.device("cuda"))
+    assert args.dtype == "fp32"
+    with pytest.raises(SystemExit):
+        ts.parse_args(["--dtype", "float16"])
+
+
+def test_dtype_sets_autocast_and_fp16_trains_with_a_loss_scaler(monkeypatch):
+    cpu = torch.device("cpu")
+    autocast, scaler = ts.precision(cpu, "fp32")
+    with autocast:
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32 and scaler is None
+    autocast, scaler = ts.precision(cpu, "bf16")
+    with autocast:
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16 and scaler is None
+    autocast, scaler = ts.precision(cpu, "fp16")
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.get_scale() > 1
+    with monkeypatch.context() as m:  # a device without autocast: a clear error, not an fp32 run
+        m.setattr(torch.amp, "is_autocast_available", lambda device_type: False)
+        with pytest.raises(SystemExit, match="--dtype bf16 needs torch.autocast on cpu"):
+            ts.precision(cpu, "bf16")
+    # one fp16 step with the scaler: the clipped gradients are the true ones, not the scaled ones
+    monkeypatch.setattr(ts, "VOCAB_SIZE", 20)
+    args = ts.parse_args(["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--grad-clip", "0.5"])
+    ts.fill_defaults(args, cpu)
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=16, n_layer=1, vocab_size=20, d_state=4))
+    ids = torch.randint(0, 20, (2, 17), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1], ids[:, 1:]
+    reference = MambaLM(MambaConfig(d_model=16, n_layer=1, vocab_size=20, d_state=4)).double()
+    reference.load_state_dict(model.state_dict())
+    loss_ref = ts.loss_fn(reference, x, y, contextlib.nullcontext())
+    grads_ref = torch.autograd.grad(loss_ref, list(reference.parameters()))
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads_ref))
+    assert norm > 0.5  # so that clipping acts
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = ts.train_step(model, optimizer, x, y, args, autocast, scaler)
+    assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
+    for (name, p), g_ref in zip(model.named_parameters(), grads_ref):
+        assert (p.grad.double() - g_ref * 0.5 / norm).norm() <= 0.02 * (g_ref * 0.5 / norm).norm() + 1e-6, name
+
+
+def test_an_fp16_run_keeps_its_loss_scale_in_the_checkpoint(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "fp16")
+    out = run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "4", "--eval-interval", "2",
+               "--dtype", "fp16"] + TINY, capsys)
+    assert "thread(s), fp16" in out
+    assert all(math.isfinite(r["val_loss"]) for r in evals(out_dir) if "val_loss" in r)
+    ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
+    assert ckpt["args"]["dtype"] == "fp16" and ckpt["scaler"]["scale"] > 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -132,6 +132,10 @@ def parse_args(argv=None):
     t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
     t.add_argument("--log-interval", type=int, default=10)
     t.add_argument("--patience", type=int, default=0, help="stop after this many evals without improvement (0: never)")
+    t.add_argument("--dtype", choices=list(AUTOCAST_DTYPES),
+                   help="the precision of the matmuls, through torch.autocast (default: bf16 on a GPU that computes "
+                        "in it, fp16 with loss scaling on older GPUs, fp32 on a CPU or MPS); the weights, the "
+                        "optimizer and the SSM state stay fp32")
     t.add_argument("--resume", action="store_true", help="continue from <out-dir>/last.pt")
     t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
     s = p.add_argument_group("sampling")
@@ -153,6 +157,34 @@ def pick_device(name):
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def default_dtype(device):
+    """--dtype's default. bf16 where the GPU computes in it (Ampere and later); older GPUs (T4,
+    V100) only emulate bf16, slowly, so fp16 there, with loss scaling. fp32 off CUDA, where
+    autocast saves little."""
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+
+
+def precision(device, dtype):
+    """(autocast context, GradScaler or None) for --dtype. fp16's range ends at 65504 and small
+    gradients flush to zero in it: the GradScaler multiplies the loss before backward and divides
+    the gradients after it, skipping a step whose gradients overflowed. bf16 has fp32's range."""
+    if dtype == "fp32":
+        return torch.autocast(device.type, enabled=False), None
+    if not torch.amp.is_autocast_available(device.type):
+        sys.exit(f"error: --dtype {dtype} needs torch.autocast on {device.type}, which this torch "
+                 f"{torch.__version__} does not have; use --dtype fp32")
+    autocast = torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
+    if not getattr(autocast, "_enabled", True):  # torch turned it off with a warning: no such autocast here
+        sys.exit(f"error: --dtype {dtype}: torch {torch.__version__} has no {dtype} autocast on {device.type}; "
+                 f"use --dtype fp32")
+    return autocast, torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
 
 ITERATION_FLAGS = ("max_iters", "lr_decay_iters", "eval_interval")
@@ -185,6 +217,8 @@ def fill_defaults(args, device):
     if wrong:
         kind = "a time-based (--max-time)" if args.max_time is not None else "an iteration-based (--max-iters)"
         sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to {kind} run")
+    if args.dtype is None:
+        args.dtype = default_dtype(device)
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.lr_decay_iters is None:
@@ -366,6 +400,8 @@ def windows(split, starts, block_size, device):
     starts = starts.tolist()
     x = torch.stack([split[i:i + block_size] for i in starts])  # (B, T)
     y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (B, T)
+    if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: the loop goes on
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
@@ -472,14 +508,23 @@ def mean_over_processes(loss):
 # One training step
 # ------------------------------------------------------------------------------------------------
 
-def train_step(model, optimizer, x, y, args, autocast):
-    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits)."""
+def train_step(model, optimizer, x, y, args, autocast, scaler=None):
+    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
+    scaler: --dtype fp16's GradScaler (see precision), or None."""
     loss = loss_fn(model, x, y, autocast)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    if scaler is None:
+        loss.backward()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # the true gradients, for clipping
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # skipped if a gradient overflowed
+        scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
     return loss
 
 
@@ -607,6 +652,7 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
                                            betas=(0.9, args.beta2),
                                            **({"fused": True} if device.type == "cuda" else {}))
+        self.autocast, self.scaler = precision(device, args.dtype)
 
         # ---------------------------------------------------------------- fresh start or resume
         if RANK == 0:
@@ -626,9 +672,8 @@ class Run:
         n_params = sum(p.numel() for p in self.raw_model.parameters())
         log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
             f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
-            f"{torch.get_num_threads()} thread(s)")
+            f"{torch.get_num_threads()} thread(s), {args.dtype}")
         self.model = wrap(self.raw_model, args.compile_model, ddp, device)
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
     def resume(self, ckpt):
         if ckpt["vocab"] != self.chars:
@@ -640,6 +685,8 @@ class Run:
         self.raw_model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"])
+        if self.scaler is not None and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
         self.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress)})
         if RANK == 0:
             truncate_log(self.log_path, self.p.step)
@@ -648,7 +695,8 @@ class Run:
     def save(self, path):
         atomic_save({"model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict(),
                      "arch": self.args.arch, "config": config_dict(self.raw_model), "vocab": self.chars,
-                     "torch_rng": torch.get_rng_state(), "args": vars(self.args), **asdict(self.p)}, path)
+                     "torch_rng": torch.get_rng_state(), "args": vars(self.args), **asdict(self.p),
+                     **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}, path)
 
     def append_log(self, **losses):  # one JSON object per line in log.jsonl
         row = {"step": self.p.step, "elapsed": round(self.p.elapsed, 2), "tokens": self.p.tokens, **losses}
@@ -689,7 +737,7 @@ class Run:
                 group["lr"] = lr
             x, y = get_batch(self.train_data, p.step, args, self.device)
             try:
-                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast)
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
             except Exception as err:  # the compiler runs at the first step: is there a working one?
                 if p.step > step_at_start or not (args.compile or args.compile_model):
                     raise
@@ -697,7 +745,7 @@ class Run:
                 args.compile = args.compile_model = False
                 set_compiled(self.raw_model, False)
                 self.model = wrap(self.raw_model, False, self.ddp, self.device)
-                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast)
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
             p.step += 1
             p.tokens += tokens_per_step
             now = clock()  # the only clock reading of the step
@@ -742,6 +790,9 @@ class Run:
         full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
         log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
             f"loss {full_val:.4f} (best checkpoint)")
+        if self.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
+            log(f"peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB "
+                f"(torch.cuda.max_memory_allocated, --dtype {args.dtype})")
         if RANK == 0:
             self.append_log(full_val_loss=full_val)
             if not args.no_sample:

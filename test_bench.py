@@ -1,0 +1,110 @@
+"""Specification of bench.py's GPU paths, run on a CPU: what a CUDA machine would meet first."""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import bench
+import mamba_minimal as mm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def compile_with_dynamo_only(monkeypatch):
+    """torch.compile through Dynamo's eager backend: the same graphs, guards and recompile limit
+    as with Inductor, in seconds instead of minutes, since nothing is generated."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic=None, fullgraph=False, options=None, **kw:
+                        real(fn, backend="eager", dynamic=dynamic, fullgraph=fullgraph))
+    monkeypatch.setattr(mm, "_compiled", {})  # compiled functions made with the real backend
+    torch._dynamo.reset()
+
+
+@pytest.mark.compile
+def test_bench_selective_compiles_each_shape_within_the_recompile_limit(monkeypatch, capsys):
+    # bench.py selective on CUDA times three shapes, each with about four graphs of the compiled
+    # chunk (no grad, autograd from a zero and from a carried state, the recomputing backward's
+    # forward); the chunk is compiled with fullgraph=True, so past torch's limit of 8 graphs the
+    # next compile fails (FailOnRecompileLimitHit) instead of running eagerly
+    compile_with_dynamo_only(monkeypatch)
+    args = argparse.Namespace(quick=False, repeats=1, no_memory=True)
+    bench.bench_selective(args, torch.device("cpu"), shapes=[(1, 8, 4, 2), (2, 8, 4, 2), (1, 24, 4, 2)])
+    out = capsys.readouterr().out
+    assert out.count("| compiled + recompute |") == 3
+    torch._dynamo.reset()
+
+
+def test_run_capped_kills_every_process_the_part_started_at_the_deadline(tmp_path):
+    # a part's compile workers are its children: the deadline must stop them too
+    marker = tmp_path / "still running"
+    worker = tmp_path / "worker.py"
+    worker.write_text(f"import time\ntime.sleep(3)\nopen({str(marker)!r}, 'w').close()\n")
+    script = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, {str(worker)!r}])\n"
+              "print('started', flush=True)\ntime.sleep(60)\n")
+    t0 = time.perf_counter()
+    out, status = bench.run_capped([sys.executable, "-c", script], 1.5)
+    assert status is None and "started" in out and time.perf_counter() - t0 < 10
+    time.sleep(4)
+    assert not marker.exists()
+
+
+PARTS = ["train_shakespeare.py --arch mamba ", "train_shakespeare.py --arch gpt ", "eager paths",
+         "-m 'not compile'", "train_shakespeare.py --arch mamba2 ",
+         "train_shakespeare.py --arch mamba3 ", "compiled paths", "-m compile"]
+
+
+def bench_gpu_tiny(text_file, budget, iters):
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny", "--data", text_file, "--budget", str(budget),
+                          "--train-iters", str(iters), "--repeats", "2"],
+                         cwd=HERE, capture_output=True, text=True, timeout=budget + 120)
+    return out.stdout + out.stderr, out.returncode, time.perf_counter() - t0
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text("".join(f"line {i}: to be, or not to be, that is the question.\n" for i in range(300)))
+    return str(path)
+
+
+def test_bench_gpu_tiny_keeps_the_order_and_the_budget(text_file):
+    # a budget too short for everything: what fits runs in the order of the CUDA run, the rest is
+    # killed or skipped, and the command ends within its budget, compiling included
+    budget = 45
+    out, status, seconds = bench_gpu_tiny(text_file, budget, 2)
+    assert seconds < budget + 15, out
+    seen = [out.find(part) for part in PARTS]
+    started = [i for i in seen if i >= 0]
+    assert seen[0] >= 0 and started == sorted(started), out
+    assert re.search(r"\| +mamba \| +[\d.]+M \| +bf16 \| +[\d.]+ \(step 2\)", out), out  # CPU autocast, as on CUDA
+    if -1 in seen or "killed at the deadline" in out:
+        assert status == 1
+
+
+@pytest.mark.compile
+def test_bench_gpu_tiny_runs_every_part_in_order_on_the_cpu(text_file):
+    out, status, _ = bench_gpu_tiny(text_file, 480, 4)
+    assert status == 0, out
+    positions = [out.find(part) for part in PARTS]
+    assert -1 not in positions and positions == sorted(positions), out
+    rows = [line for line in out.splitlines() if line.startswith("|") and "---" not in line]
+    assert not [r for r in rows if "failed" in r or "killed" in r or "skipped" in r], out
+    for arch in ("mamba", "gpt", "mamba2", "mamba3"):
+        row = next(r for r in rows if r.replace(" ", "").startswith(f"|{arch}|"))
+        assert re.search(r"\| +bf16 \|", row) and "(step 4)" in row, row  # CPU bf16 autocast, to the end
+    assert "fell back" not in out  # compile="loop" compiled its loop
+
+
+def test_a_compile_loop_row_says_when_it_fell_back_to_per_chunk_calls(monkeypatch):
+    monkeypatch.setattr(mm, "_compiled_loop_works", True)
+    assert bench.loop_label('compile="loop"', dict(compile="loop")) == 'compile="loop"'
+    monkeypatch.setattr(mm, "_compiled_loop_works", False)  # as after a failed compile of the loop
+    assert "fell back" in bench.loop_label('compile="loop"', dict(compile="loop"))
+    assert bench.loop_label("compiled fused", dict(compile=True)) == "compiled fused"

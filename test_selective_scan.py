@@ -1,0 +1,201 @@
+"""Specification of the selective scan's hand-written backward (mamba_minimal.py section 6,
+_SelectiveScan): its forward and every gradient against a float64 loop differentiated by autograd,
+for every eager backend; what it saves under bf16 autocast; second derivatives; and that a plain
+backward takes the lean path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mamba_minimal as mm
+import pscan
+
+NAMES = ["x", "delta", "A", "B", "C", "D", "z", "h0"]
+# the eager backends: the pscan.py scans selective_scan knows ("two_level" once pscan.py has it)
+EAGER = [b for b in mm.SCAN_BACKENDS if b in pscan.BACKENDS and b not in mm.FUSED_BACKENDS]
+
+
+def loop_scan(x, delta, A, B, C, D=None, z=None, h0=None):
+    """The paper's equations one token at a time in float64 (Algorithm 2, eq. 4 for A, Δ·B for B):
+    h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t, y_t = C_t·h_t + D x_t, times SiLU(z_t). Differentiable
+    by autograd, which gives the oracle's gradients and Hessians. Returns y and the final state."""
+    x, delta, A, B, C = (t.double() for t in (x, delta, A, B, C))
+    b, l, ed = x.shape
+    h = torch.zeros(b, ed, A.shape[1], dtype=torch.float64) if h0 is None else h0.double()
+    ys = []
+    for t in range(l):
+        h = torch.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t, None, :] * x[:, t, :, None]
+        y = (h * C[:, t, None, :]).sum(-1)
+        if D is not None:
+            y = y + D.double() * x[:, t]
+        if z is not None:
+            y = y * F.silu(z[:, t].double())
+        ys.append(y)
+    return torch.stack(ys, 1), h
+
+
+def inputs(b=2, l=7, ed=5, n=3, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, l, ed, generator=g, dtype=dtype)
+    delta = F.softplus(torch.randn(b, l, ed, generator=g, dtype=dtype))
+    A = -torch.rand(ed, n, generator=g, dtype=dtype) * 3 - 0.1
+    B, C = torch.randn(b, l, n, generator=g, dtype=dtype), torch.randn(b, l, n, generator=g, dtype=dtype)
+    D, z = torch.randn(ed, generator=g, dtype=dtype), torch.randn(b, l, ed, generator=g, dtype=dtype)
+    h0 = torch.randn(b, ed, n, generator=g, dtype=dtype)
+    return [x, delta, A, B, C, D, z, h0]
+
+
+def outputs_and_gradients(fn, args, seed=1):
+    """fn(*args) -> (y, final state); returns them and the gradients of <y, gy> + <h, gh> with
+    respect to every argument that is not None, for fixed random gy, gh."""
+    args = [None if t is None else t.detach().clone().requires_grad_() for t in args]
+    y, h = fn(*args)
+    g = torch.Generator().manual_seed(seed)
+    gy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype)
+    gh = torch.randn(h.shape, generator=g, dtype=torch.float64).to(h.dtype)
+    live = [t for t in args if t is not None]
+    return y, h, torch.autograd.grad((y, h), live, (gy, gh))
+
+
+def assert_matches_loop(args, tol, **kwargs):
+    fast = lambda *a: mm.selective_scan(*a, return_last_state=True, **kwargs)
+    y, h, grads = outputs_and_gradients(fast, args)
+    y_ref, h_ref, grads_ref = outputs_and_gradients(loop_scan, [None if t is None else t.double() for t in args])
+    torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol, msg=f"{kwargs}: y")
+    torch.testing.assert_close(h.double(), h_ref, rtol=tol, atol=tol, msg=f"{kwargs}: final state")
+    names = [name for name, t in zip(NAMES, args) if t is not None]
+    for name, got, want in zip(names, grads, grads_ref):
+        torch.testing.assert_close(got.double(), want, rtol=10 * tol, atol=10 * tol,
+                                   msg=f"{kwargs}: gradient wrt {name}")
+
+
+OPTIONAL = {"all": (), "no D, no z": ("D", "z"), "no h0": ("h0",), "no D, z, h0": ("D", "z", "h0")}
+
+
+@pytest.mark.parametrize("without", list(OPTIONAL))
+@pytest.mark.parametrize("L", [1, 2, 7, 16])
+@pytest.mark.parametrize("backend", EAGER)
+def test_forward_and_every_gradient_match_the_float64_loop(backend, L, without):
+    args = inputs(l=L)
+    for name in OPTIONAL[without]:
+        args[NAMES.index(name)] = None
+    assert_matches_loop(args, 1e-10, backend=backend)
+
+
+@pytest.mark.parametrize("backend", EAGER)
+def test_fp32_forward_and_gradients_match_the_float64_loop(backend):
+    # fp32 rounds at 6e-8; a few dozen rounded steps and sums stay well inside 1e-4
+    assert_matches_loop(inputs(l=13, ed=16, n=4, dtype=torch.float32), 1e-5, backend=backend)
+
+
+def test_the_plain_backward_is_the_one_function_and_saves_two_state_tensors():
+    # the lean path: autograd records one node for the whole scan (no per-step slices, no
+    # broadcast-by-broadcast backward) and keeps two (b, L, ED, N) tensors, dA and h
+    x, delta, A, B, C, D, z, h0 = (t.requires_grad_() for t in inputs(b=2, l=9, ed=5, n=3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="pscan")
+    assert type(y.grad_fn).__name__ == "_SelectiveScanBackward"
+    assert {type(f).__name__ for f, _ in y.grad_fn.next_functions if f is not None} == {"AccumulateGrad"}
+    assert sum(t.numel() == 2 * 9 * 5 * 3 for t in saved) == 2
+
+
+def test_a_plain_backward_never_takes_the_recorded_path(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the recorded (create_graph) path ran for a plain backward")
+    monkeypatch.setattr(mm, "_recorded_gradients", refuse)
+    args = [t.requires_grad_() for t in inputs()]
+    mm.selective_scan(*args).sum().backward()
+    assert all(t.grad is not None for t in args)
+
+
+def test_the_model_trains_through_the_function():
+    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=11, d_state=4))
+    seen, stack = set(), [model(torch.randint(0, 11, (2, 5))).sum().grad_fn]
+    while stack:
+        f = stack.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            stack.extend(g for g, _ in f.next_functions)
+    nodes = {type(f).__name__ for f in seen}
+    assert "_SelectiveScanBackward" in nodes
+    assert "ExpBackward0" in nodes  # A = -exp(A_log), outside the scan
+    assert "AddcmulBackward0" in nodes  # the conv's multiply-adds, outside the scan
+
+
+@pytest.mark.parametrize("backend", EAGER)
+def test_second_derivatives_equal_the_float64_loop(backend):
+    # a Hessian differentiates the backward: it must be the loop's, never zeros
+    x, delta, A, B, C, D, z, h0 = inputs(b=1, l=5, ed=2, n=2)
+
+    def loss(scan):
+        return lambda x, delta, A: scan(x, delta, A, B, C, D, z, h0)[0].pow(2).sum() + \
+            scan(x, delta, A, B, C, D, z, h0)[1].pow(3).sum()
+
+    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True)
+    got = torch.autograd.functional.hessian(loss(fast), (x, delta, A))
+    want = torch.autograd.functional.hessian(loss(loop_scan), (x, delta, A))
+    for got_row, want_row in zip(got, want):
+        for g, w in zip(got_row, want_row):
+            assert w.abs().max() > 0
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_a_gradient_penalty_differentiates_the_gradient():
+    # create_graph=True, then a backward through the gradient: the pattern of a gradient penalty
+    x, delta, A, B, C, D, z, h0 = inputs()
+    grads = {}
+    scans = {"fast": lambda *a: mm.selective_scan(*a, backend="sequential"), "loop": lambda *a: loop_scan(*a)[0]}
+    for name, scan in scans.items():
+        xg = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(scan(xg, delta, A, B, C, D, z, h0).sin().sum(), xg, create_graph=True)
+        (grads[name],) = torch.autograd.grad(g.pow(2).sum(), xg)
+    torch.testing.assert_close(grads["fast"], grads["loop"], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("scan", ["selective_scan", "selective_scan_reference"])
+def test_under_bf16_autocast_the_read_out_and_the_saved_states_stay_fp32(scan):
+    # fp32 inputs under bf16 autocast: a matmul would run the read-out C·h in bf16 (relative error
+    # about 2^-9 = 2e-3); kept in fp32 the outputs and gradients are as exact as fp32 allows
+    args = inputs(b=2, l=16, ed=32, n=4, dtype=torch.float32)
+    fn = {"selective_scan": lambda *a: mm.selective_scan(*a, return_last_state=True),
+          "selective_scan_reference": mm.selective_scan_reference}[scan]
+    saved = []
+
+    def recorded(*a):
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            return fn(*a)
+
+    y, h, grads = outputs_and_gradients(recorded, args)
+    y_ref, h_ref, grads_ref = outputs_and_gradients(loop_scan, [t.double() for t in args])
+    for name, got, want in [("y", y, y_ref), ("h", h, h_ref)] + list(zip(NAMES, grads, grads_ref)):
+        assert got.dtype == torch.float32, name
+        assert ((got.double() - want).norm() / want.norm()).item() < 1e-5, name
+    states = [t for t in saved if t.numel() == 2 * 16 * 32 * 4]
+    assert states and all(t.dtype == torch.float32 for t in states)
+
+
+def test_fused_is_the_fused_path_and_chunked_its_old_name(monkeypatch):
+    args = inputs(l=11)
+    y_ref, h_ref = loop_scan(*args)
+    calls = []
+    fused = mm.fused_selective_scan
+    monkeypatch.setattr(mm, "fused_selective_scan", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    for backend in ("fused", "chunked"):  # pscan.py's two-level scan, once named "chunked", gives the same numbers
+        y, h = mm.selective_scan(*args, backend=backend, chunk_size=4, return_last_state=True)
+        torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+    assert len(calls) == 2
+    assert mm.chunked_selective_scan is fused
+    assert "fused" in mm.SCAN_BACKENDS and mm.SCAN_BACKENDS is not pscan.BACKENDS
+    mm.MambaConfig(scan_backend="chunked")  # still accepted
+
+
+def test_backends_selective_scan_does_not_know_raise_a_value_error():
+    args = inputs()
+    for backend in ("loop", "flash") + (() if "two_level" in pscan.BACKENDS else ("two_level",)):
+        with pytest.raises(ValueError, match="backend must be one of"):
+            mm.selective_scan(*args, backend=backend)
+        with pytest.raises(ValueError, match="scan_backend must be one of"):
+            mm.MambaConfig(scan_backend=backend)
