@@ -147,7 +147,7 @@ def skip_and_gate(y, x, D, z):
     return y
 
 
-def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto"):
+def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z), over materialized tensors.
 
     Args:
@@ -159,12 +159,16 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
         z:       (b, L, ED)  gate, or None
         h0:      (b, ED, N)  initial state, or None for zeros
         backend: any of pscan.BACKENDS, the scan that runs the recurrence
+        reset:   (b, L) bool or None: True where a packed sequence starts; dA = 0 there, so the
+                 state before it is forgotten (pscan.py section 3)
     Returns:
         y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
     """
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
+    if reset is not None:
+        dA = dA.masked_fill(reset[:, :, None, None], 0)
     h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (b, L, ED, N)
     # y_t = C_t·h_t as a product and a sum, not a matmul: bf16 autocast runs matmuls in bf16, and
     # the read-out of an fp32 state has to stay fp32 like the state itself
@@ -367,21 +371,28 @@ class MambaMixer(nn.Module):
             state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
         return state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
 
-    def forward(self, hidden, want_cache=False):
+    def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
-        (conv_state, ssm_state) for section 5."""
+        (conv_state, ssm_state) for section 5. cache: start from this layer's (conv_state,
+        ssm_state); seq_idx and attention_mask (b, L) as MambaLM.forward takes them, checked there."""
         cfg = self.cfg
+        conv_state, h0 = (None, None) if cache is None else cache
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
-        x = F.silu(self.causal_conv(x_in))  # (b, L, ED)
+        if attention_mask is not None:  # padding: zeros into the conv
+            x_in = x_in * attention_mask[..., None]
+        x = F.silu(self.causal_conv(x_in, conv_state, seq_idx))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
+        if attention_mask is not None:  # and identity steps: Δ = 0 gives dA = 1, dBx = 0
+            delta = delta * attention_mask[..., None]
+        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L)
         # section 6's selective_scan: selective_scan_reference's numbers, with a backward written by hand
-        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
-                                   compile=cfg.compile_scan, return_last_state=True,
-                                   chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (b, L, ED) in x's dtype
+        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, h0, backend=cfg.scan_backend,
+                                   compile=cfg.compile_scan, return_last_state=True, chunk_size=cfg.chunk_size,
+                                   recompute=cfg.recompute, reset=reset)  # (b, L, ED) in x's dtype
         out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
-        return out, (self.conv_state_after(x_in), h_last)  # (b, ED, d_conv), (b, ED, N)
+        return out, (self.conv_state_after(x_in, conv_state, seq_idx), h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
@@ -684,17 +695,19 @@ class _SelectiveScan(torch.autograd.Function):
     read-out C·h, and the states it saves for the backward, to bf16."""
 
     @staticmethod
-    def forward(ctx, x, delta, A, B, C, D, z, h0, backend):
+    def forward(ctx, x, delta, A, B, C, D, z, h0, backend, reset):
         with _autocast_off(x.device):
             A_transposed = A.t().contiguous()  # (N, ED); a strided one makes the broadcast 1.5x slower
             dA = torch.exp(delta.unsqueeze(-2) * A_transposed)  # (b, L, N, ED)  exp(Δ·A)
+            if reset is not None:  # saved with its zeros: the backward's G_t and dLoss/d(Δ·A) stop there
+                dA.masked_fill_(reset[:, :, None, None], 0)
             dBx = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x
             h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
             if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
                 backend = pscan.choose_backend(dA, dBx, h_start)
             h = pscan.scan(dA, dBx, h_start, backend)  # (b, L, N, ED)
             y = (C.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, ED)  C_t·h_t
-        ctx.backend = backend
+        ctx.backend, ctx.reset = backend, reset
         ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y)  # the inputs, dA, h and y
         return skip_and_gate(y, x, D, z), h[:, -1].transpose(1, 2).contiguous()  # (b, L, ED), (b, ED, N)
 
@@ -702,7 +715,7 @@ class _SelectiveScan(torch.autograd.Function):
     def backward(ctx, grad_out, grad_last):
         x, delta, A, B, C, D, z, h0, dA, h, y = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will follow
-            return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None)
+            return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None, None)
         with _autocast_off(x.device):
             grad_y, grad_z = grad_out, None  # (b, L, ED)
             if z is not None:
@@ -725,7 +738,7 @@ class _SelectiveScan(torch.autograd.Function):
                 grad_x = grad_x + grad_y * D
             if h0 is not None:
                 grad_h0 = (dA[:, 0] * G[:, 0]).transpose(1, 2)  # (b, ED, N)
-        return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None
+        return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None, None
 
 
 def _recorded_gradients(ctx, inputs, grad_out, grad_last):
@@ -734,7 +747,7 @@ def _recorded_gradients(ctx, inputs, grad_out, grad_last):
     then; a plain backward takes the lean path above."""
     wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
     with torch.enable_grad():
-        y, h_last = selective_scan_reference(*inputs, backend=ctx.backend)
+        y, h_last = selective_scan_reference(*inputs, backend=ctx.backend, reset=ctx.reset)
         found = torch.autograd.grad((y, h_last), [inputs[i] for i in wanted], (grad_out, grad_last),
                                     create_graph=True)
     grads = [None] * len(inputs)
@@ -743,13 +756,13 @@ def _recorded_gradients(ctx, inputs, grad_out, grad_last):
     return grads
 
 
-def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto"):
+def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
     """selective_scan_reference (same arguments, same numbers to rounding) through _SelectiveScan:
     the backward written above instead of autograd's. Returns y and the final state, in fp32 (fp64
     for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
-    return _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend)
+    return _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend, reset)
 
 
 # The fused path. Where the time goes: the reference writes dA, dBx and h to memory as
@@ -804,14 +817,17 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
 # O(b·L·ED) for the inputs plus one (b, ED, N) start state per chunk, plus O(b·T·ED·N) inside
 # the chunk being worked on.
 
-def _scan_chunk(x, delta, A, B, C, D, z, h):
+def _scan_chunk(x, delta, A, B, C, D, z, h, keep=None):
     """One chunk: selective_scan_reference on T steps, with the loop written out so that the
     compiler fuses it. x, delta, z: (b, T, ED); A: (ED, N); B, C: (b, T, N); D: (ED,);
-    h: (b, ED, N) start state; D and z may be None. Returns y (b, T, ED) and the end state
+    h: (b, ED, N) start state; D and z may be None; keep (b, T) or None: 0 where a packed
+    sequence starts (dA = 0), 1 elsewhere. Returns y (b, T, ED) and the end state
     (b, ED, N). The skip D·x and the gate SiLU(z) are applied here, as the official kernel does:
     inside the fused chunk they ride in the same pass, outside they are three more passes over
     (b, L, ED)."""
     dA, dBx = discretize(x, delta, A, B)  # (b, T, ED, N), one chunk only
+    if keep is not None:
+        dA = dA * keep[:, :, None, None]
     ys = []
     for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C.unbind(1)):
         h = torch.addcmul(dBx_t, dA_t, h)  # (b, ED, N)
@@ -819,7 +835,7 @@ def _scan_chunk(x, delta, A, B, C, D, z, h):
     return skip_and_gate(torch.stack(ys, dim=1), x, D, z), h  # (b, T, ED), (b, ED, N)
 
 
-def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
+def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, keep, grad_out, grad_h):
     """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states:
     the formulas of "One backward for the whole scan" at the top of this section, on a chunk of T
     steps (grad_h is the gradient of the chunk's end state). Every reduction is taken inside the
@@ -829,6 +845,8 @@ def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
     become small loops per step; that ran 1.8x faster than the batched form.
     """
     dA, dBx = discretize(x, delta, A, B)  # (b, T, ED, N)
+    if keep is not None:  # as the forward: G_t and dLoss/d(Δ·A) stop where a sequence starts
+        dA = dA * keep[:, :, None, None]
     hs = [h0]
     for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):
         hs.append(torch.addcmul(dBx_t, dA_t, hs[-1]))  # h_t (b, ED, N)
@@ -880,10 +898,10 @@ def _maybe_compiled(fn, compile, device):
 
 class _RecomputedChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, delta, A, B, C, D, z, h, compile):
+    def forward(ctx, x, delta, A, B, C, D, z, h, compile, keep):
         ctx.compile = compile
-        ctx.save_for_backward(x, delta, A, B, C, D, z, h)  # the inputs only, no states
-        return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h))
+        ctx.save_for_backward(x, delta, A, B, C, D, z, h, keep)  # the inputs only, no states
+        return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h, keep))
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
@@ -896,7 +914,7 @@ class _RecomputedChunk(torch.autograd.Function):
         # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
         backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
         grads = backward(*_detached(*ctx.saved_tensors), grad_y.contiguous(), grad_h.contiguous())
-        return (*grads, None)
+        return (*grads, None, None)
 
 
 def _detached(*tensors):
@@ -954,7 +972,7 @@ def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
 
 
 def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
-                         recompute=True, compile=False):
+                         recompute=True, compile=False, reset=None):
     """The scan chunk by chunk, computed in fp32 at least (as section 2). Returns y (b, L, ED) and
     the final state (b, ED, N)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
@@ -968,9 +986,10 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     pad = (-l) % T
     if pad:  # identity steps: Δ = 0 gives dA = 1, dBx = 0 (their outputs are dropped)
         x, delta, B, C, z = (None if t is None else F.pad(t, (0, 0, 0, pad)) for t in (x, delta, B, C, z))
+    keep = None if reset is None else (~F.pad(reset, (0, pad))).to(x.dtype)  # (b, L + pad)
     h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (b, ED, N)
     recompute = recompute and needs_grad
-    if compile == "loop" and not needs_grad and _compiled_loop_works:
+    if compile == "loop" and not needs_grad and _compiled_loop_works and keep is None:
         out = _forward_in_one_call(x, delta, A, B, C, D, z, h, T)
         if out is not None:
             return out[0][:, :l], out[1]  # (b, L, ED), (b, ED, N)
@@ -985,11 +1004,11 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
         return [c.contiguous() for c in t.split(T, dim=1)]  # (b, T, ED|N) each
 
     ys = []
-    for x_c, delta_c, B_c, C_c, z_c in zip(*map(chunks, (x, delta, B, C, z))):
+    for x_c, delta_c, B_c, C_c, z_c, keep_c in zip(*map(chunks, (x, delta, B, C, z, keep))):
         if recompute:
-            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile)
+            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile, keep_c)
         else:
-            y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h)
+            y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h, keep_c)
         ys.append(y)
     return torch.cat(ys, dim=1)[:, :l], h  # (b, L, ED), (b, ED, N)
 
@@ -1010,7 +1029,7 @@ COMPILE_MODES = (False, True, "loop")
 
 
 def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
-                   return_last_state=False, chunk_size=16, recompute=True):
+                   return_last_state=False, chunk_size=16, recompute=True, reset=None):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z): selective_scan_reference
     or this section's fused path, with the same numbers to rounding.
 
@@ -1024,16 +1043,17 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
                  the loop over chunks as well (faster on long sequences, but every new process
                  compiles it again)
         chunk_size, recompute: the fused path's T and its recomputing backward (see above)
+        reset: (b, L) bool or None, True where a packed sequence starts (dA = 0 there)
     Returns:
         y: (b, L, ED) in x's dtype, and with return_last_state the final state (b, ED, N) in fp32
         (fp64 for fp64 inputs)
     """
-    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile)
+    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, reset)
     out_dtype = x.dtype
     if compile or backend in FUSED_BACKENDS:
-        y, h_last = fused_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
+        y, h_last = fused_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile, reset)
     else:
-        y, h_last = eager_selective_scan(x, delta, A, B, C, D, z, h0, backend)
+        y, h_last = eager_selective_scan(x, delta, A, B, C, D, z, h0, backend, reset)
     y = y.to(out_dtype)
     return (y, h_last) if return_last_state else y
 
@@ -1244,7 +1264,7 @@ def _check_backend(backend, what):
         raise ValueError(f"{what} must be one of {known}, got {backend!r}")
 
 
-def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
+def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, reset=None):
     _check_backend(backend, "backend")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
@@ -1270,6 +1290,10 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
     for name, shape in expected.items():
         if name in given and tuple(given[name].shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(given[name].shape)}")
+    if reset is not None and (not isinstance(reset, torch.Tensor) or reset.dtype != torch.bool
+                              or tuple(reset.shape) != (b, l)):
+        raise ValueError(f"reset must be a bool tensor of shape (b, L) = ({b}, {l}), got "
+                         f"{reset.dtype if isinstance(reset, torch.Tensor) else type(reset).__name__}")
 
 
 def _check_token_ids(input_ids, rank=2):

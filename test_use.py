@@ -37,7 +37,19 @@ def mamba3_model(seed=0, is_mimo=False):
                                                  ngroups=2, chunk_size=CHUNK, is_mimo=is_mimo, mimo_rank=2)))
 
 
+def mamba1_model(seed=0, scan_backend="sequential", recompute=True):
+    torch.manual_seed(seed)
+    return perturbed(mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4,
+                                               scan_backend=scan_backend, chunk_size=CHUNK, recompute=recompute)))
+
+
+# Mamba-1: every eager backend (pscan.py's scans under the hand-written backward) and the fused
+# path, with its recomputing backward and with plain autograd through each chunk
+MAMBA1_BACKENDS = ("sequential", "pscan", "hillis_steele", "two_level", "associative", "fused")
 MODELS = {
+    **{f"mamba1_{backend}": (lambda seed=0, backend=backend: mamba1_model(seed, backend))
+       for backend in MAMBA1_BACKENDS},
+    "mamba1_fused_autograd": lambda seed=0: mamba1_model(seed, "fused", recompute=False),
     "mamba2": mamba2_model,
     "mamba3_siso": mamba3_model,
     "mamba3_mimo": lambda seed=0: mamba3_model(seed, is_mimo=True),
@@ -291,7 +303,7 @@ def test_each_row_of_a_left_padded_batch_equals_the_row_alone(name):
     assert padding_difference(MODELS[name]()) < 1e-10
 
 
-@pytest.mark.parametrize("generation", [2])
+@pytest.mark.parametrize("generation", [1, 2])
 def test_left_padded_generate_equals_transformers_generate_with_the_same_mask(tmp_path, generation):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
@@ -392,6 +404,51 @@ def test_compiled_mamba2_mixer_takes_packed_rows_and_left_padding():
             torch.testing.assert_close(packed[:, doc], model(ids[:, doc]), atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(padded[0, 3:], model(ids[:1, 3:])[0], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(padded[1], model(ids[1:])[0], atol=1e-5, rtol=1e-4)
+
+
+def loop_selective_scan(x, delta, A, B, C, D, z, h0, reset):
+    """The oracle: h_t = exp(Δ_t·A)·h_{t-1} + Δ_t·B_t·x_t with h_{t-1} replaced by 0 where reset_t,
+    y_t = (C_t·h_t + D·x_t)·SiLU(z_t), one step at a time in float64."""
+    h, ys = h0, []
+    for t in range(x.shape[1]):
+        decay = torch.exp(delta[:, t, :, None] * A)  # (b, ED, N)
+        h = torch.where(reset[:, t, None, None], 0, decay * h) + (delta[:, t] * x[:, t])[..., None] * B[:, t, None, :]
+        y = (h * C[:, t, None, :]).sum(-1) + D * x[:, t]
+        ys.append(y * z[:, t] * torch.sigmoid(z[:, t]))
+    return torch.stack(ys, dim=1), h
+
+
+@pytest.mark.parametrize("backend", MAMBA1_BACKENDS)
+def test_mamba1_selective_scan_restarts_where_reset_forward_and_every_gradient(backend):
+    """reset reaches the hand-written backwards (the eager Function's and the fused chunk's): the
+    gradients of every input equal those of the loop above; and a second derivative too where the
+    backend offers one."""
+    torch.manual_seed(0)
+    b, L, ED, N = 2, 21, 3, 4
+    x, delta, z = torch.randn(b, L, ED), torch.rand(b, L, ED) + 0.1, torch.randn(b, L, ED)
+    A, B, C, D, h0 = -torch.rand(ED, N) - 0.2, torch.randn(b, L, N), torch.randn(b, L, N), torch.randn(ED), torch.randn(b, ED, N)
+    inputs = [t.double().requires_grad_() for t in (x, delta, A, B, C, D, z, h0)]
+    reset = torch.zeros(b, L, dtype=torch.bool)
+    reset[0, [1, 8, 16]] = True  # at a chunk edge (8, 16) and inside one
+    reset[1, [5, 6, 20]] = True  # two starts in a row: a sequence of length 1
+    weights = [torch.randn(b, L, ED, dtype=torch.float64), torch.randn(b, ED, N, dtype=torch.float64)]
+
+    def grads(fn, create_graph=False):
+        y, h = fn(*inputs)
+        loss = (y * weights[0]).sum() + (h * weights[1]).sum()
+        return (y, h), torch.autograd.grad(loss, inputs, create_graph=create_graph)
+
+    expected, expected_grads = grads(lambda *t: loop_selective_scan(*t, reset))
+    got, got_grads = grads(lambda *t: mm.selective_scan(*t, backend=backend, return_last_state=True,
+                                                       chunk_size=CHUNK, reset=reset))
+    assert max_difference(got, expected) < 1e-10
+    assert max_difference(got_grads, expected_grads) < 1e-10
+    if backend != "fused":  # the recomputing fused backward refuses a second derivative, loudly
+        _, first = grads(lambda *t: loop_selective_scan(*t, reset), create_graph=True)
+        expected_second = torch.autograd.grad(sum((g * g).sum() for g in first), inputs)
+        _, first = grads(lambda *t: mm.selective_scan(*t, backend=backend, return_last_state=True, reset=reset),
+                         create_graph=True)
+        assert max_difference(torch.autograd.grad(sum((g * g).sum() for g in first), inputs), expected_second) < 1e-9
 
 
 if __name__ == "__main__":  # python test_use.py: the worst float64 difference of each equality, per model
