@@ -304,7 +304,8 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 # state passes through unchanged (the final state is exact) and the padded outputs are dropped.
 
 @_without_autocast
-def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, scan_backend="auto"):
+def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, scan_backend="auto",
+        reset=None):
     """Chunked SSD: y = SSD(Δ, A, B, C)(x) + D·x.
 
     Args:
@@ -316,6 +317,8 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
         D:  (H,) or None   skip connection
         h0: (b, H, P, N) or None for zeros
         scan_backend:      pscan.scan's backend for the recurrence across chunks
+        reset: (b, L) bool or None: True where a new sequence starts (packed sequences); the
+               decay of that step is 0, so the state before it is forgotten (pscan.py section 3)
     Returns:
         y: (b, L, H, P) in x's dtype; with return_last_state also the final state (b, H, P, N),
         computed in fp32 (fp64 for fp64 inputs), a tensor of its own (not a view of a larger one)
@@ -323,6 +326,10 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size)
     if scan_backend not in pscan.BACKENDS:
         raise ValueError(f"scan_backend must be one of {pscan.BACKENDS}, got {scan_backend!r}")
+    if reset is not None and (not isinstance(reset, torch.Tensor) or reset.dtype != torch.bool
+                              or tuple(reset.shape) != tuple(x.shape[:2])):
+        raise ValueError(f"reset must be a bool tensor of shape (b, L) = {tuple(x.shape[:2])}, got "
+                         f"{reset.dtype if isinstance(reset, torch.Tensor) else type(reset).__name__}")
     out_dtype = x.dtype
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     b, L, H, P = x.shape
@@ -331,8 +338,11 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     if pad:  # identity steps: Δ = 0 (and x, B, C = 0, so nothing is read or written)
         x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
     n_chunks = (L + pad) // T  # K
+    a = dt * A  # (b, L', H)  log-decays
+    if reset is not None:  # the decay exp(a) = 0: nothing of the earlier sequence reaches this one
+        a = torch.where(F.pad(reset, (0, pad))[..., None], -torch.inf, a)
     xdt = _heads_by_group((x * dt[..., None]).reshape(b, n_chunks, T, H, P), G)  # (b, K, G, H/G, T, P)
-    a = _heads_by_group_scalar((dt * A).reshape(b, n_chunks, T, H), G)  # (b, K, G, H/G, T)  log-decays
+    a = _heads_by_group_scalar(a.reshape(b, n_chunks, T, H), G)  # (b, K, G, H/G, T)
     Bc = _groups_over_heads(B.reshape(b, n_chunks, T, G, N))  # (b, K, G, 1, T, N)
     Cc = _groups_over_heads(C.reshape(b, n_chunks, T, G, N))  # (b, K, G, 1, T, N)
 
@@ -560,28 +570,37 @@ class Mamba2Mixer(nn.Module):
     # eagerly (the compiler refuses its autograd Function's forward-mode rule, jvp). Prefill and
     # step() stay eager: each new prompt length would compile again.
 
-    def forward(self, u, want_cache=False):
+    def forward(self, u, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
-        (conv_state, ssm_state)."""
-        if self.cfg.compile_mixer and not want_cache:
-            return _compiled_forward(u.device.type)(self, u)
-        return self._forward(u, want_cache)
+        (conv_state, ssm_state). cache: start from this layer's (conv_state, ssm_state); seq_idx and
+        attention_mask (b, L) as MambaLM.forward takes them, checked there."""
+        if self.cfg.compile_mixer and not want_cache and cache is None:
+            return _compiled_forward(u.device.type)(self, u, False, None, seq_idx, attention_mask)
+        return self._forward(u, want_cache, cache, seq_idx, attention_mask)
 
-    def _forward(self, u, want_cache=False):
+    def _forward(self, u, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         cfg = self.cfg
         H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+        conv_state, h0 = (None, None) if cache is None else cache
         # z (b, L, d_ssm), xBC_in (b, L, conv_dim), dt_raw (b, L, H)
         z0, x0, z, xBC_in, dt_raw = self._split(self.in_proj(u))
-        xBC = F.silu(self.causal_conv(xBC_in))  # (b, L, conv_dim)
+        dt = self._delta(dt_raw)  # (b, L, H)
+        if attention_mask is not None:  # padding: zeros into the conv, identity steps (Δ = 0) for the state
+            xBC_in = xBC_in * attention_mask[..., None]
+            dt = dt * attention_mask[..., None]
+        xBC = F.silu(self.causal_conv(xBC_in, conv_state, seq_idx))  # (b, L, conv_dim)
         x, B, C = xBC.split([cfg.d_ssm, G * N, G * N], dim=-1)
-        y = ssd(x.unflatten(-1, (H, P)), self._delta(dt_raw), self.A, B.unflatten(-1, (G, N)),
-                C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, return_last_state=want_cache,
-                scan_backend=cfg.scan_backend)  # (b, L, H, P); with want_cache also the state (b, H, P, N)
+        # packed sequences: a reset where seq_idx changes (passed only then, so ssd's plain signature still serves)
+        packed = {} if seq_idx is None else {"reset": F.pad(seq_idx.diff(dim=1) != 0, (1, 0))}  # (b, L)
+        y = ssd(x.unflatten(-1, (H, P)), dt, self.A, B.unflatten(-1, (G, N)),
+                C.unflatten(-1, (G, N)), cfg.chunk_size, self.D, h0=h0, return_last_state=want_cache,
+                scan_backend=cfg.scan_backend, **packed)  # (b, L, H, P); with want_cache also the state (b, H, P, N)
         y, h_last = y if want_cache else (y, None)
         out = self._finish(y.flatten(-2), z, z0, x0)  # (b, L, d_model)
         if not want_cache:
             return out
-        return out, (self.conv_state_after(xBC_in), h_last)  # (b, conv_dim, d_conv), (b, H, P, N)
+        conv_after = self.conv_state_after(xBC_in, conv_state, seq_idx)  # (b, conv_dim, d_conv)
+        return out, (conv_after, h_last)  # (b, conv_dim, d_conv), (b, H, P, N)
 
     def cache_spec(self, batch):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
@@ -644,7 +663,8 @@ class Mamba2LM(mm.MambaLM):
     # and the SSM state (b, H, P, N). MambaLM's prefill, step and generate run unchanged: prefill
     # is forward with want_cache (chunked SSD over the prompt), and each further token is one O(1)
     # Mamba2Mixer.step (section 1's ssd_step on the cache), after MambaLM.step has checked the
-    # cache against every mixer's cache_spec.
+    # cache against every mixer's cache_spec. prefill(ids, cache=cache) continues a cache with many
+    # tokens at once: ssd() starts from its state (h0) and the conv reads its buffer.
 
 
 # ------------------------------------------------------------------------------------------------

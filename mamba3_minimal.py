@@ -285,19 +285,26 @@ def rotate(t, angle, pairing="adjacent"):
 
 @_without_autocast
 def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=None, mimo_x=None,
-                   state=None, pairing="adjacent", chunk_size=64, return_state=False, scan_backend="auto"):
+                   state=None, pairing="adjacent", chunk_size=64, return_state=False, scan_backend="auto",
+                   reset=None):
     """Chunked Mamba-3: the same map as mamba3_sequential, with matmuls inside chunks.
 
     Args: as mamba3_sequential, plus
         chunk_size:   T, the length of a chunk; any L works
         return_state: also return the final (angle, h, k, v), each a tensor of its own
         scan_backend: pscan.scan's backend for the recurrence across chunks
+        reset:        (b, L) bool or None: True where a new sequence starts (packed sequences): as
+                      from a zero state, α = 0 there (so β = 0 too), and the angles start again at 0
     Returns:
         y (b, L, R, H, P) in fp32 at least (fp64 for fp64 inputs); with return_state also the state
     """
     _check_mamba3_inputs(q, k, v, dt, adt, lam, theta, q_bias, k_bias, D, mimo_x, state, pairing, chunk_size)
     if scan_backend not in pscan.BACKENDS:
         raise ValueError(f"scan_backend must be one of {pscan.BACKENDS}, got {scan_backend!r}")
+    if reset is not None and (not isinstance(reset, torch.Tensor) or reset.dtype != torch.bool
+                              or tuple(reset.shape) != tuple(v.shape[:2])):
+        raise ValueError(f"reset must be a bool tensor of shape (b, L) = {tuple(v.shape[:2])}, got "
+                         f"{reset.dtype if isinstance(reset, torch.Tensor) else type(reset).__name__}")
     q, k, v, dt, adt, lam, theta = _in_compute_dtype(q, k, v, dt, adt, lam, theta)
     b, L, H, P = v.shape
     R, N, S, T = q.shape[2], q.shape[-1], theta.shape[-1], chunk_size
@@ -306,6 +313,9 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
     if pad:  # identity steps: Δ = 0 (and Δ·A = 0), nothing read or written
         q, k, v, dt, adt, lam, theta = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
                                         for t in (q, k, v, dt, adt, lam, theta))
+    if reset is not None:  # a new sequence: α = exp(-inf) = 0, and with it β = (1 − λ)·Δ·α = 0
+        reset = F.pad(reset, (0, pad))  # (b, L')
+        adt = torch.where(reset[..., None], -torch.inf, adt)
 
     # the accumulated angles: a cumsum inside each chunk, plus each chunk's start; the starts sum
     # the earlier chunks' turns, each reduced mod 2π first, so that no sum grows with L
@@ -316,7 +326,13 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
     if state is not None:
         starts = starts + state[0].to(starts.dtype).unsqueeze(1)
     angle = torch.remainder(within + torch.remainder(starts, TWO_PI).unsqueeze(2), TWO_PI)  # (b, c, T, H, S)
-    angle = angle.flatten(1, 2).unsqueeze(2)  # (b, L', 1, H, S), broadcast over the ranks
+    angle = angle.flatten(1, 2)  # (b, L', H, S)
+    if reset is not None:  # from the start of its sequence: subtract the angle of the token before it
+        positions = torch.arange(angle.shape[1], device=v.device)
+        start = torch.where(reset, positions, 0).cummax(1).values  # (b, L')  0 in the first sequence
+        before = angle.gather(1, (start - 1).clamp(min=0)[..., None, None].expand_as(angle))  # (b, L', H, S)
+        angle = torch.where((start > 0)[..., None, None], torch.remainder(angle - before, TWO_PI), angle)
+    angle = angle.unsqueeze(2)  # (b, L', 1, H, S), broadcast over the ranks
     q = rotate(_per_head(q, q_bias, H), angle, pairing)  # (b, L', R, H, N)
     k = rotate(_per_head(k, k_bias, H), angle, pairing)  # (b, L', R, H, N)
     vr = _values(v, mimo_x)  # (b, L', R, H, P)
@@ -560,12 +576,18 @@ class Mamba3Mixer(nn.Module):
             y = y.squeeze(-3)  # (..., H, P)
         return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))  # (..., d_model)
 
-    def forward(self, u, want_cache=False):
-        """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's (angle, ssm, k, v)."""
+    def forward(self, u, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
+        """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's (angle, ssm, k, v).
+        cache: start from this layer's (angle, ssm, k, v); seq_idx and attention_mask (b, L) as
+        MambaLM.forward takes them, checked there."""
         z, v, q, k, dt, adt, lam, theta = self._ssm_inputs(self.in_proj(u))
-        y = mamba3_chunked(q, k, v, dt, adt, lam, theta, **self._ssm_parameters(),
+        if attention_mask is not None:  # padding: identity steps (Δ = 0), and v = 0 for the next β term
+            keep = attention_mask[..., None]  # (b, L, 1)
+            dt, adt, v = dt * keep, adt * keep, v * keep[..., None]
+        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L)
+        y = mamba3_chunked(q, k, v, dt, adt, lam, theta, **self._ssm_parameters(), state=cache,
                            chunk_size=self.cfg.chunk_size, return_state=want_cache,
-                           scan_backend=self.cfg.scan_backend)  # (b, L, R, H, P)
+                           scan_backend=self.cfg.scan_backend, reset=reset)  # (b, L, R, H, P)
         y, state = y if want_cache else (y, None)
         out = self._finish(y, z)  # (b, L, d_model)
         return (out, state) if want_cache else out
@@ -643,7 +665,8 @@ class Mamba3LM(mm.MambaLM):
     # input (b, H, P), which the next step's β term needs. No conv buffer: Mamba-3 has no
     # convolution. prefill (MambaLM's: forward with want_cache) runs the chunked form over the
     # prompt and returns the four; each further token is one O(1) step, section 1's mamba3_step on
-    # the cache (Mamba3Mixer.step). MambaLM's generate and generate_stream run unchanged.
+    # the cache (Mamba3Mixer.step). MambaLM's generate and generate_stream run unchanged, and
+    # prefill(ids, cache=cache) continues a cache: mamba3_chunked starts from its four tensors.
 
     @torch.no_grad()
     def step(self, token_ids, cache):

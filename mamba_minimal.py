@@ -148,7 +148,7 @@ def skip_and_gate(y, x, D, z):
     return y
 
 
-def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto"):
+def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z), over materialized tensors.
 
     Args:
@@ -160,12 +160,16 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
         z:       (b, L, ED)  gate, or None
         h0:      (b, ED, N)  initial state, or None for zeros
         backend: any of pscan.BACKENDS, the scan that runs the recurrence
+        reset:   (b, L) bool or None: True where a packed sequence starts; dA = 0 there, so the
+                 state before it is forgotten (pscan.py section 3)
     Returns:
         y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
     """
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
+    if reset is not None:
+        dA = dA.masked_fill(reset[:, :, None, None], 0)
     h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (b, L, ED, N)
     # y_t = C_t·h_t as a product and a sum, not a matmul: bf16 autocast runs matmuls in bf16, and
     # the read-out of an fp32 state has to stay fp32 like the state itself
@@ -319,17 +323,29 @@ class MambaMixer(nn.Module):
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
-    def causal_conv(self, x):
+    def causal_conv(self, x, conv_state=None, seq_idx=None):
         """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-d_conv+1+k}
         + bias. The same sum `step` computes on its rolling buffer. On a CPU its backward is much
         cheaper than nn.Conv1d's, which dominated the training step when the model used it.
-        x: (b, L, ED) -> (b, L, ED)"""
+        x: (b, L, ED) -> (b, L, ED). Optional: conv_state (b, ED, d_conv), a cache's buffer, read
+        instead of zeros before the first token; seq_idx (b, L), packed sequences: a tap never reads
+        an input of another sequence (the buffer counts as the first one's)."""
         width, L = self.cfg.d_conv, x.shape[1]
         w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
-        x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
-        out = x_pad[:, 0:L] * w[:, 0]
+        if conv_state is None:
+            x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
+        else:
+            x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
+        if seq_idx is not None:
+            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, d_conv-1+L)
+
+        def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, ED), zero where another sequence's
+            shifted = x_pad[:, k:k + L]
+            return shifted if seq_idx is None else shifted * (seq_pad[:, k:k + L] == seq_idx).unsqueeze(-1)
+
+        out = tap(0) * w[:, 0]
         for k in range(1, width):
-            out = torch.addcmul(out, x_pad[:, k:k + L], w[:, k])  # (b, L, ED)
+            out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, ED)
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_step(self, conv_state, x):
@@ -340,29 +356,44 @@ class MambaMixer(nn.Module):
         out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED) the conv at one position
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
-    def conv_state_after(self, x_in):
+    def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
         """The rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros before
-        the first token, as a fresh (b, ED, d_conv) tensor, so a cache does not keep the prompt's
-        activations alive."""
+        the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
+        tensor, so a cache does not keep the prompt's activations alive. With seq_idx, the inputs of
+        earlier sequences are zeros: the buffer is the last sequence's alone."""
         d_conv = self.cfg.d_conv
-        state = F.pad(x_in.transpose(1, 2), (max(d_conv - x_in.shape[1], 0), 0))[..., -d_conv:]
+        x_in = x_in.transpose(1, 2)  # (b, ED, L)
+        if conv_state is None:
+            state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
+        else:
+            state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
+        if seq_idx is not None:
+            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
+            state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
         return state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
 
-    def forward(self, hidden, want_cache=False):
+    def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
-        (conv_state, ssm_state) for section 5."""
+        (conv_state, ssm_state) for section 5. cache: start from this layer's (conv_state,
+        ssm_state); seq_idx and attention_mask (b, L) as MambaLM.forward takes them, checked there."""
         cfg = self.cfg
+        conv_state, h0 = (None, None) if cache is None else cache
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
-        x = F.silu(self.causal_conv(x_in))  # (b, L, ED)
+        if attention_mask is not None:  # padding: zeros into the conv
+            x_in = x_in * attention_mask[..., None]
+        x = F.silu(self.causal_conv(x_in, conv_state, seq_idx))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
+        if attention_mask is not None:  # and identity steps: Δ = 0 gives dA = 1, dBx = 0
+            delta = delta * attention_mask[..., None]
+        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L)
         # section 6's selective_scan: selective_scan_reference's numbers, with a backward written by hand
-        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, backend=cfg.scan_backend,
-                                   compile=cfg.compile_scan, return_last_state=True,
-                                   chunk_size=cfg.chunk_size, recompute=cfg.recompute)  # (b, L, ED) in x's dtype
+        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, h0, backend=cfg.scan_backend,
+                                   compile=cfg.compile_scan, return_last_state=True, chunk_size=cfg.chunk_size,
+                                   recompute=cfg.recompute, reset=reset)  # (b, L, ED) in x's dtype
         out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
-        return out, (self.conv_state_after(x_in), h_last)  # (b, ED, d_conv), (b, ED, N)
+        return out, (self.conv_state_after(x_in, conv_state, seq_idx), h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
@@ -409,8 +440,8 @@ class Block(nn.Module):
     def _residual(self, h):
         return _at_least_fp32(h) if self.residual_in_fp32 else h
 
-    def forward(self, h, want_cache=False):
-        out = self.mixer(self.norm(h), want_cache)
+    def forward(self, h, want_cache=False, **use):  # use: the mixer's cache, seq_idx, attention_mask
+        out = self.mixer(self.norm(h), want_cache, **use)
         if want_cache:
             out, cache = out
             return self._residual(h) + out, cache
@@ -473,21 +504,33 @@ class MambaLM(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
 
-    def forward(self, input_ids, want_cache=False):
-        """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache."""
+    def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
+        """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
+
+        Optional, for using a model for real (each checked in the appendix):
+            cache:          a cache as prefill returns it: continue from its states (it is not modified)
+            seq_idx:        (b, L) integers, non-decreasing along a row: packed sequences, each
+                            starting from a zero state where the index changes
+            attention_mask: (b, L) of 0/1, left padding: the 0s are identity steps for the state
+                            and zeros for the conv, so each row computes what it computes alone
+                            (the logits at padded positions mean nothing)
+        """
         _check_token_ids(input_ids)
-        if want_cache or input_ids.device.type == "cpu":  # reading values off a GPU waits for it: see section 8
+        read_values = want_cache or input_ids.device.type == "cpu"  # reading values off a GPU waits for it: see section 8
+        if read_values:
             _check_token_range(input_ids, self.cfg.vocab_size)
+        use = _check_use(self, input_ids, cache, seq_idx, attention_mask, read_values)
         h = self.backbone.embedding(input_ids)  # (b, L, d_model)
-        cache = []
-        for layer in self.backbone.layers:
+        new_cache = []
+        for i, layer in enumerate(self.backbone.layers):
+            layer_use = dict(use, cache=cache[i]) if cache is not None else use
             if want_cache:
-                h, layer_cache = layer(h, want_cache=True)
-                cache.append(layer_cache)
+                h, layer_cache = layer(h, want_cache=True, **layer_use)
+                new_cache.append(layer_cache)
             else:
-                h = layer(h)  # (b, L, d_model)
+                h = layer(h, **layer_use)  # (b, L, d_model)
         logits = self.lm_head(self.backbone.norm_f(h))  # (b, L, V)
-        return (logits, cache) if want_cache else logits
+        return (logits, new_cache) if want_cache else logits
 
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
@@ -500,9 +543,11 @@ class MambaLM(nn.Module):
     # recurrence of section 1 applied once.
 
     @torch.no_grad()
-    def prefill(self, input_ids):
-        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state))."""
-        return self.forward(input_ids, want_cache=True)
+    def prefill(self, input_ids, cache=None, attention_mask=None):
+        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state)). With a
+        cache, continue from it: any split of a sequence into pieces gives the logits and the final
+        cache of one pass. attention_mask: left padding, as in forward."""
+        return self.forward(input_ids, want_cache=True, cache=cache, attention_mask=attention_mask)
 
     @torch.no_grad()
     def step(self, token_ids, cache):
@@ -518,12 +563,16 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        generator=None):
-        """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps."""
+                        generator=None, attention_mask=None):
+        """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps.
+        attention_mask (b, L): prompts of different lengths, left-padded."""
         _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)  # before the prefill
         if max_new_tokens == 0:
+            if attention_mask is not None:
+                _check_token_ids(input_ids)
+                _check_use(self, input_ids, None, None, attention_mask)
             return
-        logits, cache = self.prefill(input_ids)
+        logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
         for i in range(max_new_tokens):
             token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
@@ -533,15 +582,28 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None):
-        """input_ids (b, L) -> (b, L + max_new_tokens). top_k=1 (or temperature=0) is greedy."""
-        new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator))
+                 generator=None, attention_mask=None):
+        """input_ids (b, L) -> (b, L + max_new_tokens). top_k=1 (or temperature=0) is greedy.
+        attention_mask (b, L): prompts of different lengths, left-padded."""
+        new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator,
+                                        attention_mask))
         return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
 
     @classmethod
     def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
         """Load a checkpoint folder (official or transformers layout) or a hub id; see section 7."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens):
+    """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
+    total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
+                         f"increasing, got {cu_seqlens!r}")
+    lengths = cu_seqlens.diff()  # (n,)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -634,17 +696,19 @@ class _SelectiveScan(torch.autograd.Function):
     read-out C·h, and the states it saves for the backward, to bf16."""
 
     @staticmethod
-    def forward(ctx, x, delta, A, B, C, D, z, h0, backend):
+    def forward(ctx, x, delta, A, B, C, D, z, h0, backend, reset):
         with _autocast_off(x.device):
             A_transposed = A.t().contiguous()  # (N, ED); a strided one makes the broadcast 1.5x slower
             dA = torch.exp(delta.unsqueeze(-2) * A_transposed)  # (b, L, N, ED)  exp(Δ·A)
+            if reset is not None:  # saved with its zeros: the backward's G_t and dLoss/d(Δ·A) stop there
+                dA.masked_fill_(reset[:, :, None, None], 0)
             dBx = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x
             h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
             if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
                 backend = pscan.choose_backend(dA, dBx, h_start)
             h = pscan.scan(dA, dBx, h_start, backend)  # (b, L, N, ED)
             y = (C.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, ED)  C_t·h_t
-        ctx.backend = backend
+        ctx.backend, ctx.reset = backend, reset
         ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y)  # the inputs, dA, h and y
         return skip_and_gate(y, x, D, z), h[:, -1].transpose(1, 2).contiguous()  # (b, L, ED), (b, ED, N)
 
@@ -652,7 +716,7 @@ class _SelectiveScan(torch.autograd.Function):
     def backward(ctx, grad_out, grad_last):
         x, delta, A, B, C, D, z, h0, dA, h, y = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will follow
-            return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None)
+            return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None, None)
         with _autocast_off(x.device):
             grad_y, grad_z = grad_out, None  # (b, L, ED)
             if z is not None:
@@ -675,7 +739,7 @@ class _SelectiveScan(torch.autograd.Function):
                 grad_x = grad_x + grad_y * D
             if h0 is not None:
                 grad_h0 = (dA[:, 0] * G[:, 0]).transpose(1, 2)  # (b, ED, N)
-        return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None
+        return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None, None
 
 
 def _recorded_gradients(ctx, inputs, grad_out, grad_last):
@@ -684,7 +748,7 @@ def _recorded_gradients(ctx, inputs, grad_out, grad_last):
     then; a plain backward takes the lean path above."""
     wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
     with torch.enable_grad():
-        y, h_last = selective_scan_reference(*inputs, backend=ctx.backend)
+        y, h_last = selective_scan_reference(*inputs, backend=ctx.backend, reset=ctx.reset)
         found = torch.autograd.grad((y, h_last), [inputs[i] for i in wanted], (grad_out, grad_last),
                                     create_graph=True)
     grads = [None] * len(inputs)
@@ -693,13 +757,13 @@ def _recorded_gradients(ctx, inputs, grad_out, grad_last):
     return grads
 
 
-def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto"):
+def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
     """selective_scan_reference (same arguments, same numbers to rounding) through _SelectiveScan:
     the backward written above instead of autograd's. Returns y and the final state, in fp32 (fp64
     for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
-    return _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend)
+    return _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend, reset)
 
 
 # The fused path. Where the time goes: the reference writes dA, dBx and h to memory as
@@ -753,14 +817,17 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
 # O(b·L·ED) for the inputs plus one (b, ED, N) start state per chunk, plus O(b·T·ED·N) inside
 # the chunk being worked on.
 
-def _scan_chunk(x, delta, A, B, C, D, z, h):
+def _scan_chunk(x, delta, A, B, C, D, z, h, keep=None):
     """One chunk: selective_scan_reference on T steps, with the loop written out so that the
     compiler fuses it. x, delta, z: (b, T, ED); A: (ED, N); B, C: (b, T, N); D: (ED,);
-    h: (b, ED, N) start state; D and z may be None. Returns y (b, T, ED) and the end state
+    h: (b, ED, N) start state; D and z may be None; keep (b, T) or None: 0 where a packed
+    sequence starts (dA = 0), 1 elsewhere. Returns y (b, T, ED) and the end state
     (b, ED, N). The skip D·x and the gate SiLU(z) are applied here, as the official kernel does:
     inside the fused chunk they ride in the same pass, outside they are three more passes over
     (b, L, ED)."""
     dA, dBx = discretize(x, delta, A, B)  # (b, T, ED, N), one chunk only
+    if keep is not None:
+        dA = dA * keep[:, :, None, None]
     ys = []
     for dA_t, dBx_t, C_t in zip(dA.unbind(1), dBx.unbind(1), C.unbind(1)):
         h = torch.addcmul(dBx_t, dA_t, h)  # (b, ED, N)
@@ -768,7 +835,7 @@ def _scan_chunk(x, delta, A, B, C, D, z, h):
     return skip_and_gate(torch.stack(ys, dim=1), x, D, z), h  # (b, T, ED), (b, ED, N)
 
 
-def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
+def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, keep, grad_out, grad_h):
     """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states:
     the formulas of "One backward for the whole scan" at the top of this section, on a chunk of T
     steps (grad_h is the gradient of the chunk's end state). Every reduction is taken inside the
@@ -778,6 +845,8 @@ def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, grad_out, grad_h):
     become small loops per step; that ran 1.8x faster than the batched form.
     """
     dA, dBx = discretize(x, delta, A, B)  # (b, T, ED, N)
+    if keep is not None:  # as the forward: G_t and dLoss/d(Δ·A) stop where a sequence starts
+        dA = dA * keep[:, :, None, None]
     hs = [h0]
     for dA_t, dBx_t in zip(dA.unbind(1), dBx.unbind(1)):
         hs.append(torch.addcmul(dBx_t, dA_t, hs[-1]))  # h_t (b, ED, N)
@@ -829,10 +898,10 @@ def _maybe_compiled(fn, compile, device):
 
 class _RecomputedChunk(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, delta, A, B, C, D, z, h, compile):
+    def forward(ctx, x, delta, A, B, C, D, z, h, compile, keep):
         ctx.compile = compile
-        ctx.save_for_backward(x, delta, A, B, C, D, z, h)  # the inputs only, no states
-        return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h))
+        ctx.save_for_backward(x, delta, A, B, C, D, z, h, keep)  # the inputs only, no states
+        return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h, keep))
 
     @staticmethod
     def backward(ctx, grad_y, grad_h):
@@ -845,7 +914,7 @@ class _RecomputedChunk(torch.autograd.Function):
         # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
         backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
         grads = backward(*_detached(*ctx.saved_tensors), grad_y.contiguous(), grad_h.contiguous())
-        return (*grads, None)
+        return (*grads, None, None)
 
 
 def _detached(*tensors):
@@ -903,7 +972,7 @@ def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
 
 
 def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
-                         recompute=True, compile=False):
+                         recompute=True, compile=False, reset=None):
     """The scan chunk by chunk, computed in fp32 at least (as section 2). Returns y (b, L, ED) and
     the final state (b, ED, N)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
@@ -917,9 +986,10 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     pad = (-l) % T
     if pad:  # identity steps: Δ = 0 gives dA = 1, dBx = 0 (their outputs are dropped)
         x, delta, B, C, z = (None if t is None else F.pad(t, (0, 0, 0, pad)) for t in (x, delta, B, C, z))
+    keep = None if reset is None else (~F.pad(reset, (0, pad))).to(x.dtype)  # (b, L + pad)
     h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (b, ED, N)
     recompute = recompute and needs_grad
-    if compile == "loop" and not needs_grad and _compiled_loop_works:
+    if compile == "loop" and not needs_grad and _compiled_loop_works and keep is None:
         out = _forward_in_one_call(x, delta, A, B, C, D, z, h, T)
         if out is not None:
             return out[0][:, :l], out[1]  # (b, L, ED), (b, ED, N)
@@ -934,11 +1004,11 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
         return [c.contiguous() for c in t.split(T, dim=1)]  # (b, T, ED|N) each
 
     ys = []
-    for x_c, delta_c, B_c, C_c, z_c in zip(*map(chunks, (x, delta, B, C, z))):
+    for x_c, delta_c, B_c, C_c, z_c, keep_c in zip(*map(chunks, (x, delta, B, C, z, keep))):
         if recompute:
-            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile)
+            y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile, keep_c)
         else:
-            y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h)
+            y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h, keep_c)
         ys.append(y)
     return torch.cat(ys, dim=1)[:, :l], h  # (b, L, ED), (b, ED, N)
 
@@ -959,7 +1029,7 @@ COMPILE_MODES = (False, True, "loop")
 
 
 def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
-                   return_last_state=False, chunk_size=16, recompute=True):
+                   return_last_state=False, chunk_size=16, recompute=True, reset=None):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z): selective_scan_reference
     or this section's fused path, with the same numbers to rounding.
 
@@ -973,16 +1043,17 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
                  the loop over chunks as well (faster on long sequences, but every new process
                  compiles it again)
         chunk_size, recompute: the fused path's T and its recomputing backward (see above)
+        reset: (b, L) bool or None, True where a packed sequence starts (dA = 0 there)
     Returns:
         y: (b, L, ED) in x's dtype, and with return_last_state the final state (b, ED, N) in fp32
         (fp64 for fp64 inputs)
     """
-    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile)
+    _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, reset)
     out_dtype = x.dtype
     if compile or backend in FUSED_BACKENDS:
-        y, h_last = fused_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile)
+        y, h_last = fused_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile, reset)
     else:
-        y, h_last = eager_selective_scan(x, delta, A, B, C, D, z, h0, backend)
+        y, h_last = eager_selective_scan(x, delta, A, B, C, D, z, h0, backend, reset)
     y = y.to(out_dtype)
     return (y, h_last) if return_last_state else y
 
@@ -1197,10 +1268,11 @@ def load_weights(model, folder, device=None, dtype=None):
 # 8. Appendix: input checks
 # ------------------------------------------------------------------------------------------------
 # Bad input gets an error that names what was expected, before any work is done. None of these
-# checks reads a tensor's values except _check_token_range: on a GPU, reading a value waits for
-# the device, so a training step would wait once per forward. It runs on CPU ids in forward and
-# step, and once per prompt (prefill, and so generate) on any device; off the CPU, an id out of
-# range in a plain forward stops the embedding with the device's own index error instead.
+# checks reads a tensor's values except _check_token_range and _check_use's checks of seq_idx and
+# attention_mask: on a GPU, reading a value waits for the device, so a training step would wait
+# once per forward. They run on CPU ids in forward and step, and once per prompt (prefill, and so
+# generate) on any device; off the CPU, an id out of range in a plain forward stops the embedding
+# with the device's own index error instead, and a plain forward trusts seq_idx and the mask.
 
 def _is_positive_int(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -1230,7 +1302,7 @@ def _check_backend(backend, what):
         raise ValueError(f"{what} must be one of {known}, got {backend!r}")
 
 
-def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
+def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, reset=None):
     _check_backend(backend, "backend")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
@@ -1259,6 +1331,10 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile):
     for name, shape in expected.items():
         if name in given and tuple(given[name].shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(given[name].shape)}")
+    if reset is not None and (not isinstance(reset, torch.Tensor) or reset.dtype != torch.bool
+                              or tuple(reset.shape) != (b, l)):
+        raise ValueError(f"reset must be a bool tensor of shape (b, L) = ({b}, {l}), got "
+                         f"{reset.dtype if isinstance(reset, torch.Tensor) else type(reset).__name__}")
 
 
 def _check_token_ids(input_ids, rank=2):
@@ -1313,6 +1389,69 @@ def _check_step_inputs(model, token_ids, cache):
                 raise ValueError(f"cache[{i}] {name} shares its memory with {owners[t.data_ptr()]}; each "
                                  f"layer needs a state of its own ([pair] * n_layer repeats one pair)")
             owners[t.data_ptr()] = f"cache[{i}] {name}"
+
+
+def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=True):
+    """forward's cache, seq_idx and attention_mask, checked against input_ids (b, L) and the model,
+    their values only with read_values. Returns the mixers' keyword arguments: seq_idx as int64,
+    the mask as bool (b, L); None left out."""
+    b, L = input_ids.shape
+    use = {}
+    if cache is not None:
+        _check_cache(model, cache, b)
+    if seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) != (b, L) \
+                or seq_idx.dtype not in (torch.int64, torch.int32) or seq_idx.device != input_ids.device:
+            got = (f"{tuple(seq_idx.shape)} {seq_idx.dtype} on {seq_idx.device}" if isinstance(seq_idx, torch.Tensor)
+                   else type(seq_idx).__name__)
+            raise ValueError(f"seq_idx must be an integer tensor of shape ({b}, {L}) like input_ids, on "
+                             f"{input_ids.device}, got {got}")
+        if read_values and (seq_idx.diff(dim=1) < 0).any():
+            raise ValueError("seq_idx must be non-decreasing along each row (packed sequences, one after "
+                             "another)")
+        use["seq_idx"] = seq_idx.long()
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, L) \
+                or attention_mask.is_floating_point() or attention_mask.device != input_ids.device:
+            got = (f"{tuple(attention_mask.shape)} {attention_mask.dtype} on {attention_mask.device}"
+                   if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+            raise ValueError(f"attention_mask must be a bool or integer tensor of shape ({b}, {L}) like "
+                             f"input_ids, on {input_ids.device}, got {got}")
+        mask = attention_mask.long()
+        if read_values and (((mask != 0) & (mask != 1)).any() or (mask.diff(dim=1) < 0).any()
+                            or (mask[:, -1] != 1).any()):
+            raise ValueError("attention_mask must be left padding: each row 0s (padding) then 1s (tokens), "
+                             "ending with a token")
+        if read_values and cache is not None and (mask == 0).any():
+            raise ValueError("attention_mask with a cache must be all ones: padding would sit between the "
+                             "cache and the new tokens")
+        use["attention_mask"] = mask.bool()
+    return use
+
+
+def _check_cache(model, cache, batch):
+    """A cache must be prefill's for this model and batch: one tuple per layer, each tensor of the
+    shape, dtype and device of its mixer's cache_spec."""
+    n_layer = len(model.backbone.layers)
+    names = tuple(name for name, *_ in model.backbone.layers[0].mixer.cache_spec(batch))
+    if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
+        got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
+        raise ValueError(f"cache must be a list of {n_layer} ({', '.join(names)}) tuples, one per layer, as "
+                         f"prefill returns it for this model; got {got}")
+    for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
+        spec = layer.mixer.cache_spec(batch)
+        if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != len(spec):
+            raise ValueError(f"cache[{i}] must be a ({', '.join(names)}) tuple, as prefill returns it for "
+                             f"this model")
+        device = next(layer.mixer.parameters()).device
+        for t, (name, shape, dims, dtype) in zip(layer_cache, spec):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"cache[{i}] {name} must have shape {shape} ({dims}) for a batch of "
+                                 f"{batch}, got {got}")
+            if t.dtype != dtype or t.device != device:
+                raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
+                                 f"it for this model), got {t.dtype} on {t.device}")
 
 
 def _check_sampling(temperature, top_k, top_p):

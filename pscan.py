@@ -144,6 +144,12 @@ def _combine(first, then):
 # b_0 <- a_0*h0 + b_0, and then scan from zero. The trees apply the rule in place, with addcmul_
 # on strided views; torch's associative_scan (appendix B) takes _combine as it is.
 #
+# Two steps are special, and the models use both. The identity (1, 0) changes nothing,
+# (a, b)∘(1, 0) = (a, b): padding is made of identity steps (in Mamba, Δ = 0 gives a = exp(0) = 1
+# and b = 0). A reset (0, b) forgets everything before it, (a1, b1)∘(0, b2) = (0, b2): with
+# documents packed one after another, a_t = 0 at each document's first token starts it from a zero
+# state, and no gradient flows back through it (dh_t/dh_{t-1} = a_t = 0).
+#
 # Floating point is not exactly associative, so every bracketing rounds differently: the scans
 # agree with the loop to rounding, not bit for bit.
 
