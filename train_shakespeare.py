@@ -409,19 +409,9 @@ class Run:
                 p.elapsed = rank0_value(p.elapsed, self.device)
             first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
             if p.step % args.log_interval == 0 or first_step:
-                loss_value = mean_over_processes(loss)  # reading it waits for the step: only every few steps
-                if not math.isfinite(loss_value):
-                    sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
-                             f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
-                dt = (now - t_last) / max(1, p.step - step_at_last)
+                dt = (now - t_last) / max(1, p.step - step_at_last)  # seconds per step since the last line
                 t_last, step_at_last = now, p.step
-                if args.max_time is None:
-                    where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
-                else:
-                    where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
-                speed = (f"first step {dt:.1f}s" if first_step else
-                         f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
-                log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
+                log_progress(args, p, loss, lr, dt, tokens_per_step / dt, first_step)
             if args.max_time is None:
                 due = p.step % args.eval_interval == 0 or p.step == args.max_iters
             else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
@@ -931,6 +921,21 @@ def append_log(run, **losses):  # one JSON object per line in log.jsonl
     row = {"step": run.p.step, "elapsed": round(run.p.elapsed, 2), "tokens": run.p.tokens, **losses}
     with open(run.log_path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
+    """One line of the training log; reading the loss waits for the step, so only every few steps."""
+    loss_value = mean_over_processes(loss)
+    if not math.isfinite(loss_value):
+        sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
+                 f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
+    if args.max_time is None:
+        where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
+    else:
+        where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
+    speed = (f"first step {dt:.1f}s" if first_step else
+             f"{tokens_per_s:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
+    log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
 
 
 def train_eagerly_after(err, run, x, y, first_step):
