@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 import mamba_minimal as mm
 import pscan
-from mamba2_minimal import _without_autocast, segsum
+from mamba2_minimal import _in_compute_dtype, _without_autocast, segsum
 from mamba_minimal import RMSNorm, _at_least_fp32
 
 TWO_PI = 2 * math.pi
@@ -157,14 +157,6 @@ def mamba3_sequential(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=
                                  mimo_x, pairing)
         ys.append(y_t)
     return torch.stack(ys, dim=1), state
-
-
-def _in_compute_dtype(*tensors):
-    """Cast to one dtype, at least fp32 (the state sums many small terms): fp64 if any is fp64."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return [t.to(dtype) for t in tensors]
 
 
 def _initial_state(state, v, R, N, S):
@@ -686,8 +678,7 @@ class Mamba3LM(mm.MambaLM):
 # The official layout: config.json with d_model, n_layer, vocab_size, d_intermediate = 0,
 # ssm_cfg = {"layer": "Mamba3", d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
 # rms_norm, residual_in_fp32, pad_vocab_size_multiple, tie_embeddings; the weights in
-# pytorch_model.bin (or model.safetensors) under our names. No public Mamba-3 checkpoint exists
-# at the time of writing; the tests write their own.
+# pytorch_model.bin (or model.safetensors) under our names. The tests write their own checkpoints.
 
 _OFFICIAL_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
                         "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}

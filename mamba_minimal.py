@@ -121,8 +121,8 @@ def discretize(x, delta, A, B):
 # ------------------------------------------------------------------------------------------------
 # Algorithm 2 of the paper (the "S6" layer): discretize every token, run the linear recurrence
 # h_t = dA_t·h_{t-1} + dBx_t over the sequence, and read each state out with C_t. Then add the
-# skip D·x and gate with SiLU(z) (both belong to the block, §3.4; the official kernel applies them inside
-# the scan, and so do we). Since dA_t = exp(Δ_t·A) changes from token to token, and so do B_t
+# skip D·x and gate with SiLU(z) (both belong to the block, §3.4; the official kernel applies them
+# inside the scan, and so does this file). Since dA_t = exp(Δ_t·A) changes from token to token, and so do B_t
 # and C_t, the recurrence cannot be unrolled into one fixed convolution kernel as in S4 (eq. 3;
 # pscan.scan_time_invariant shows that case): it has to be scanned,
 # which is what pscan.py is about.
@@ -268,8 +268,8 @@ class MambaMixer(nn.Module):
     tokens through the conv.
 
     Why each piece (paper §3.4, §3.6):
-      - the short causal conv (4 taps) mixes each channel with the last few tokens before the
-        scan, so that Δ, B and C can depend on a local context and not on one token alone;
+      - the short causal conv (4 taps, inherited from the H3 block) mixes each channel with the
+        last few tokens before the scan, so that Δ, B and C see a local context, not one token;
       - the gate SiLU(z) merges the H3 block with a gated MLP into one homogeneous block: one
         branch carries the sequence mixing, the other decides per channel what passes;
       - Δ is computed at low rank (d_model/16, then dt_proj back to ED channels): one step size
@@ -326,7 +326,7 @@ class MambaMixer(nn.Module):
     def causal_conv(self, x, conv_state=None, seq_idx=None):
         """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-d_conv+1+k}
         + bias. The same sum `step` computes on its rolling buffer. On a CPU its backward is much
-        cheaper than nn.Conv1d's, which dominated the training step when the model used it.
+        cheaper than nn.Conv1d's, whose backward would dominate the training step.
         x: (b, L, ED) -> (b, L, ED). Optional: conv_state (b, ED, d_conv), a cache's buffer, read
         instead of zeros before the first token; seq_idx (b, L), packed sequences: a tap never reads
         an input of another sequence (the buffer counts as the first one's)."""
@@ -781,7 +781,7 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
 # state, contract with C, add D·x, gate with SiLU(z), and pass the last state on. In a forward
 # pass, and in training with recompute (below), only (b, T, ED, N) is ever alive. Eagerly this
 # is still several passes over a small block; under torch.compile, Inductor fuses the chunk into
-# one kernel (C++ on a CPU, Triton on a GPU) that reads x, Δ, B, C, z once and writes y once,
+# one kernel (C++ on a CPU; on a GPU a Triton kernel is expected, not yet measured) that reads x, Δ, B, C, z once and writes y once,
 # the states staying in registers and cache.
 #
 # Sequential in time, parallel across channels: this is what makes the fused path fast on a CPU.
@@ -1016,9 +1016,10 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
 chunked_selective_scan = fused_selective_scan  # the old name of fused_selective_scan
 
 
-# The public entry point. It keeps the signature of the official selective_scan_fn (with Δ
-# already through softplus, and a (b, L, ED) layout instead of its (b, ED, L)) and sends each
-# call to eager_selective_scan (section 2's reference with the backward above) or to the fused path.
+# The public entry point. It takes the arguments of the official selective_scan_fn, except that Δ
+# arrives already through softplus (no delta_bias, delta_softplus) and the layout is (b, L, ED),
+# not (b, ED, L). It sends each call to eager_selective_scan (section 2's reference with the
+# backward above) or to the fused path.
 #
 # The eager backends name the pscan.py scan that runs the recurrence; "fused" is this section's
 # chunk-by-chunk path, which runs its own loop. "chunked" is the fused path's old name, still

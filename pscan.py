@@ -303,12 +303,12 @@ def _hillis_steele(x, w, reverse=False):
 #
 #   chunks:     [ 0 .. T-1 ][ T .. 2T-1 ][ 2T .. 3T-1 ]
 #   1. scan:     └──────┤     └──────┤     └──────┤        from zero, all chunks at once
-#   2. carry:          H_0 ────────> H_1 ────────> H_2     L/T dependent steps
+#   2. carry:          H_0 ────────> H_1 ────────> H_2     L/T - 1 dependent steps
 #   3. correct:               += cumprod·H_0  += cumprod·H_1
 #
 # Depth: one chunk's tree (about 2·log2(T)), L/T - 1 carry steps, one correction. At best (T
 # about a third of L) that is about the depth of one tree over the whole sequence (19 levels at
-# L = 1024 with T = 256 or 512), and the work grows with the number of chunks: chunking buys
+# L = 1024 with T = 256 or 512), and step 3 adds work on top of the trees': chunking buys
 # locality, not depth. The counts leave out step 3's cumprod, itself a scan of T steps inside
 # every chunk, so for this scan they are lower bounds.
 #
@@ -602,7 +602,7 @@ def choose_backend(a, b, h0=None):
 # ------------------------------------------------------------------------------------------------
 # Every combine in the scans above is one addcmul (b <- a*b_before + b), and every dependent level
 # is one call, so a torch function mode that notes the size of each addcmul's result counts work
-# and depth without a line of bookkeeping inside the scans: the figures of sections 6 and 7 and of
+# and depth without a line of bookkeeping inside the scans: the figures of sections 5 to 7 and of
 # `python bench.py depth` are the scans' own. torch's associative_scan follows its own schedule,
 # so its counts say little.
 
