@@ -373,7 +373,7 @@ def test_compiled_mixer_matches_the_float64_reference_forward_and_every_gradient
     # must compile nothing new; L = 5, one padded chunk; L = 19, three chunks, compiled as
     # separate graphs around the scan across chunks. Then fp32 over two chunks, the shape at
     # which steps 1 and 2 of ssd() in one compiled graph made a backward that corrupted memory
-    # on torch 2.13's CPU compiler (README, "Mamba-2 (SSD)").
+    # on torch 2.13's CPU compiler (hence ssd()'s graph break between them).
     compiled_calls = []
     real = m2._compiled_forward
     monkeypatch.setattr(m2, "_compiled_forward", lambda device: compiled_calls.append(device) or real(device))
