@@ -9,29 +9,16 @@ import torch.nn.functional as F
 
 import mamba_minimal as mm
 import pscan
+from test_model import reference_selective_scan
 
 NAMES = ["x", "delta", "A", "B", "C", "D", "z", "h0"]
 # the eager backends: the pscan.py scans selective_scan knows ("two_level" once pscan.py has it)
 EAGER = [b for b in mm.SCAN_BACKENDS if b in pscan.BACKENDS and b not in mm.FUSED_BACKENDS]
 
 
-def loop_scan(x, delta, A, B, C, D=None, z=None, h0=None):
-    """The paper's equations one token at a time in float64 (Algorithm 2, eq. 4 for A, Δ·B for B):
-    h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t x_t, y_t = C_t·h_t + D x_t, times SiLU(z_t). Differentiable
-    by autograd, which gives the oracle's gradients and Hessians. Returns y and the final state."""
-    x, delta, A, B, C = (t.double() for t in (x, delta, A, B, C))
-    b, l, ed = x.shape
-    h = torch.zeros(b, ed, A.shape[1], dtype=torch.float64) if h0 is None else h0.double()
-    ys = []
-    for t in range(l):
-        h = torch.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t, None, :] * x[:, t, :, None]
-        y = (h * C[:, t, None, :]).sum(-1)
-        if D is not None:
-            y = y + D.double() * x[:, t]
-        if z is not None:
-            y = y * F.silu(z[:, t].double())
-        ys.append(y)
-    return torch.stack(ys, 1), h
+# test_model.py's float64 loop of the paper's equations, differentiable by autograd: it gives the
+# oracle's gradients and Hessians too
+loop_scan = reference_selective_scan
 
 
 def inputs(b=2, l=7, ed=5, n=3, seed=0, dtype=torch.float64):
