@@ -663,7 +663,7 @@ class Mamba3LM(mm.MambaLM):
     @torch.no_grad()
     def step(self, token_ids, cache):
         """token_ids (b,) -> logits (b, V); advances the cache in place, O(1) in the position."""
-        _check_step_inputs(self, token_ids, cache)
+        mm._check_step_inputs(self, token_ids, cache)
         return self._step(token_ids, cache)
 
     @classmethod
@@ -782,28 +782,3 @@ def _check_mamba3_inputs(q, k, v, dt, adt, lam, theta, q_bias, k_bias, D, mimo_x
     for name, t in given.items():
         if t is not None and t.device != v.device:
             raise ValueError(f"{name} must be on {v.device} like v, got {t.device}")
-
-
-def _check_step_inputs(model, token_ids, cache):
-    """Everything step will write into, checked before it writes anything (as mamba_minimal's
-    check, for a cache of four tensors per layer)."""
-    mm._check_token_ids(token_ids, rank=1)
-    if token_ids.device.type == "cpu":
-        mm._check_token_range(token_ids, model.cfg.vocab_size)
-    n_layer, batch = len(model.backbone.layers), token_ids.shape[0]
-    if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
-        got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
-        raise ValueError(f"cache must be a list of {n_layer} (angle, ssm, k, v) tuples, one per layer, as "
-                         f"prefill returns it; got {got}")
-    for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
-        mixer = layer.mixer
-        if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 4:
-            raise ValueError(f"cache[{i}] must be an (angle, ssm, k, v) tuple")
-        device = mixer.in_proj.weight.device
-        for t, (name, shape, dims, dtype) in zip(layer_cache, mixer.cache_spec(batch)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                raise ValueError(f"cache[{i}] {name} must have shape {shape} ({dims}) for a batch of "
-                                 f"{batch} tokens, got {_shape(t)}")
-            if t.dtype != dtype or t.device != device:
-                raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes it "
-                                 f"for this model), got {t.dtype} on {t.device}")

@@ -1359,22 +1359,26 @@ def _check_token_range(input_ids, vocab_size):
 def _check_step_inputs(model, token_ids, cache):
     """Everything `step` will write into, checked before it writes anything: a bad cache must
     neither broadcast silently nor fail after some layers were already advanced. The ids' range
-    is checked only where they live on the CPU (no device sync); generate skips it all."""
+    is checked only where they live on the CPU (no device sync); generate skips it all. Every
+    generation's mixer describes its cache with cache_spec, so this one check serves them all."""
     _check_token_ids(token_ids, rank=1)
     if token_ids.device.type == "cpu":
         _check_token_range(token_ids, model.cfg.vocab_size)
     n_layer, batch = len(model.backbone.layers), token_ids.shape[0]
+    spec = model.backbone.layers[0].mixer.cache_spec(batch)
+    names, kind = ", ".join(name for name, *_ in spec), ("pair" if len(spec) == 2 else "tuple")
     if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
         got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
-        raise ValueError(f"cache must be a list of {n_layer} (conv_state, ssm_state) pairs, one per "
-                         f"layer, as prefill returns it; got {got}")
+        raise ValueError(f"cache must be a list of {n_layer} ({names}) {kind}s, one per layer, as "
+                         f"prefill returns it; got {got}")
     owners = {}  # data_ptr -> the state that holds it
     for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
         mixer = layer.mixer
-        if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != 2:
-            raise ValueError(f"cache[{i}] must be a (conv_state, ssm_state) pair")
-        device = mixer.conv1d.weight.device
-        for t, (name, shape, dims, dtype) in zip(layer_cache, mixer.cache_spec(batch)):
+        spec = mixer.cache_spec(batch)
+        if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != len(spec):
+            raise ValueError(f"cache[{i}] must be a ({names}) {kind}")
+        device = mixer.in_proj.weight.device
+        for t, (name, shape, dims, dtype) in zip(layer_cache, spec):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"cache[{i}] {name} must have shape {shape} ({dims}) for a batch of "

@@ -607,6 +607,13 @@ def test_step_rejects_a_cache_that_does_not_fit():
     bad[1][2] = bad[1][2].double()
     with pytest.raises(ValueError, match=r"cache\[1\] k must be torch.float32"):
         model.step(torch.tensor([1, 2]), bad)
+    # step writes every state in place: layers that share one state would mix their updates
+    with pytest.raises(ValueError, match=r"cache\[1\] angle shares its memory with cache\[0\]"):
+        model.step(torch.tensor([1, 2]), [cache[0]] * 2)
+    before = [t.clone() for t in cache[0]]
+    with pytest.raises(ValueError, match="repeats one row in memory"):
+        model.step(torch.tensor([1, 2]), [cache[0], tuple(t[:1].expand_as(t) for t in cache[1])])
+    assert all(torch.equal(a, b) for a, b in zip(before, cache[0]))  # refused before writing anything
 
 
 def test_batched_greedy_generate_equals_each_row_alone():
