@@ -172,15 +172,19 @@ with open(os.path.join(os.environ["PROBE_OUT"], f"rank{{ts.RANK}}.json"), "w") a
 """
 
 
-def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file, tmp_path):
+def run_ddp_probe(text_file, tmp_path, run_flags, **env):
+    """Two processes under torchrun, each running DDP_PROBE: -> (out_dir, the finished process)."""
     out_dir = str(tmp_path / "ddp")
     probe = tmp_path / "probe.py"
     probe.write_text(DDP_PROBE.format(here=HERE))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(probe), "--data", text_file, "--out-dir", out_dir,
-           "--device", "cpu", "--max-iters", "8", "--eval-interval", "4"] + TINY
-    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+           str(probe), "--data", text_file, "--out-dir", out_dir, "--device", "cpu"] + run_flags + TINY
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path), **env)
+    return out_dir, subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+
+
+def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file, tmp_path):
+    out_dir, proc = run_ddp_probe(text_file, tmp_path, ["--max-iters", "8", "--eval-interval", "4"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout
     assert proc.stdout.count("step 8/8") == 1  # only rank 0 logs
@@ -212,14 +216,8 @@ def test_a_two_process_time_based_run_follows_the_first_processs_clock(text_file
     # process 0's clock reads 1 s per step, process 1's 1.25 s: on its own clock process 1 would
     # reach the eval point at 4 s at step 4 and the one at 6 s at step 5, and so enter an
     # evaluation's all_reduce while process 0 enters the next step's gradient all_reduce
-    out_dir = str(tmp_path / "ddp")
-    probe = tmp_path / "probe.py"
-    probe.write_text(DDP_PROBE.format(here=HERE))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(probe), "--data", text_file, "--out-dir", out_dir,
-           "--device", "cpu", "--max-time", "10", "--num-evals", "5"] + TINY
-    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path), PROBE_CLOCK_RATES="1.0,1.25")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    out_dir, proc = run_ddp_probe(text_file, tmp_path, ["--max-time", "10", "--num-evals", "5"],
+                                  PROBE_CLOCK_RATES="1.0,1.25")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(r["step"], r["elapsed"]) for r in evals(out_dir) if "val_loss" in r] == \
         [(2, 2), (4, 4), (6, 6), (8, 8), (10, 10)]
