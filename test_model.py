@@ -863,16 +863,20 @@ def test_second_derivatives_are_right_or_refused():
 # other than 1)
 # ------------------------------------------------------------------------------------------------
 
+def one_layer_model(arch):
+    """A one-layer fp32 Mamba ("mamba") or Mamba-2 ("mamba2"), the same weights every call."""
+    torch.manual_seed(0)
+    if arch == "mamba":
+        return MambaLM(MambaConfig(d_model=32, n_layer=1, vocab_size=21, d_state=8))
+    import mamba2_minimal as m2
+    return m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=21, d_state=8, headdim=16))
+
+
 @pytest.mark.parametrize("arch", ["mamba", "mamba2"])
 def test_A_is_computed_in_fp32_in_a_bf16_model(arch):
     # exp in bf16 would round every decay rate to 8 bits (up to 2^-9 relative): a change that the
     # bf16 model's logits, compared at bf16 tolerance, cannot show
-    torch.manual_seed(0)
-    if arch == "mamba":
-        model = MambaLM(MambaConfig(d_model=32, n_layer=1, vocab_size=21, d_state=8))
-    else:
-        import mamba2_minimal as m2
-        model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=21, d_state=8, headdim=16))
+    model = one_layer_model(arch)
     mixer = model.to(torch.bfloat16).backbone.layers[0].mixer
     assert mixer.A_log.dtype == torch.bfloat16
     A = mixer.A
@@ -894,12 +898,7 @@ def test_temperature_divides_the_logits(monkeypatch):
 def test_the_residual_stream_is_fp32_in_a_bf16_model(arch):
     # as the official Block with residual_in_fp32 (the default): the sum h + mixer(norm(h)) of many
     # layers is kept in fp32 even when the weights are bf16
-    torch.manual_seed(0)
-    if arch == "mamba":
-        model = MambaLM(MambaConfig(d_model=32, n_layer=1, vocab_size=21, d_state=8))
-    else:
-        import mamba2_minimal as m2
-        model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=1, vocab_size=21, d_state=8, headdim=16))
+    model = one_layer_model(arch)
     block = model.to(torch.bfloat16).backbone.layers[0]
     h = torch.randn(1, 5, 32).bfloat16()
     with torch.no_grad():
