@@ -255,6 +255,24 @@ def dt_bias_init(n, cfg):
     return dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
 
 
+def shifted_sum(x_pad, w, bias=None, keep=None):
+    """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_pad_{t+k} + bias,
+    where x_pad (b, d_conv-1+L, C) holds the d_conv-1 inputs before the first token (zeros, or a
+    cache's buffer) and then the L tokens; w (C, d_conv); keep (b, L, d_conv) or None: 0 where tap
+    k must not read its input (another sequence's). -> (b, L, C). On a CPU this is much cheaper
+    than nn.Conv1d, whose backward would dominate the training step."""
+    width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
+
+    def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, C)
+        shifted = x_pad[:, k:k + L]
+        return shifted if keep is None else shifted * keep[:, :, k, None]
+
+    out = tap(0) * w[:, 0] if bias is None else torch.addcmul(bias, tap(0), w[:, 0])
+    for k in range(1, width):
+        out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, C)
+    return out
+
+
 class MambaMixer(nn.Module):
     """The Mamba block (the official `Mamba` module, named `mixer` in the official tree; the
     paper's §3.4 and Figure 3). Its forward mirrors the official Mamba.forward / mamba_inner_ref:
@@ -319,15 +337,16 @@ class MambaMixer(nn.Module):
         # the bias is added in fp32, as the official kernel adds its fp32 `delta_bias`: in bf16,
         # next to the bias (about -2 to -7 at init, spacing 1/32 there) the data-dependent part
         # would be quantized in steps of about a tenth of its size
-        dt_raw = _at_least_fp32(F.linear(dt_low, self.dt_proj.weight))  # (..., ED) before softplus
+        # dt_low @ Wᵀ with Wᵀ copied contiguous, not F.linear: the same product, but autograd then
+        # computes both gradients as matmuls with a wide output; F.linear's backward produces the
+        # narrow (..., dt_rank) and (ED, dt_rank) ones, which MKL runs 2-4x slower on a CPU
+        dt_raw = _at_least_fp32(dt_low @ self.dt_proj.weight.t().contiguous())  # (..., ED) before softplus
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
     def causal_conv(self, x, conv_state=None, seq_idx=None):
-        """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_{t-d_conv+1+k}
-        + bias. The same sum `step` computes on its rolling buffer. On a CPU its backward is much
-        cheaper than nn.Conv1d's, whose backward would dominate the training step.
-        x: (b, L, ED) -> (b, L, ED). Optional: conv_state (b, ED, d_conv), a cache's buffer, read
+        """The depthwise causal conv, out_t = Σ_k w_k·x_{t-d_conv+1+k} + bias (shifted_sum), the same
+        sum `step` computes on its rolling buffer. x: (b, L, ED) -> (b, L, ED). Optional: conv_state (b, ED, d_conv), a cache's buffer, read
         instead of zeros before the first token; seq_idx (b, L), packed sequences: a tap never reads
         an input of another sequence (the buffer counts as the first one's)."""
         width, L = self.cfg.d_conv, x.shape[1]
@@ -336,17 +355,11 @@ class MambaMixer(nn.Module):
             x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
         else:
             x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
+        keep = None  # with seq_idx, (b, L, d_conv): 0 where tap k would read another sequence's input
         if seq_idx is not None:
             seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, d_conv-1+L)
-
-        def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, ED), zero where another sequence's
-            shifted = x_pad[:, k:k + L]
-            return shifted if seq_idx is None else shifted * (seq_pad[:, k:k + L] == seq_idx).unsqueeze(-1)
-
-        out = tap(0) * w[:, 0]
-        for k in range(1, width):
-            out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, ED)
-        return out if self.conv1d.bias is None else out + self.conv1d.bias
+            keep = torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(x.dtype)
+        return _CausalConv.apply(x_pad, w, self.conv1d.bias, keep)  # shifted_sum, section 6's backward
 
     def conv_step(self, conv_state, x):
         """causal_conv at one new position, for `step`: push x (b, ED) into the rolling buffer of the
@@ -663,24 +676,27 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 # contiguous values (several times faster at the trainer's shape), and the read-out and G·B
 # become batched (1, N) @ (N, ED) matmuls.
 
-def _reverse_scan(dA, grad_h, grad_last, backend):
-    """G_t = grad_h_t + dA_{t+1}·G_{t+1}, G_{L-1} = grad_h_{L-1} + grad_last: the recurrence of
-    pscan.py run backwards in time by the forward's backend. dA, grad_h: (b, L, *rest); grad_last:
-    (b, *rest). Returns G (b, L, *rest), overwriting grad_h where the backend scans in place."""
-    G = grad_h  # (b, L, *rest)
-    if backend == "sequential":  # pscan.scan_sequential's loop, walked from the end, in place
-        G_steps, dA_steps = G.unbind(1), dA.unbind(1)  # views, one per step: (b, *rest) each
-        G_steps[-1].add_(grad_last)
-        for t in range(G.shape[1] - 2, -1, -1):
-            G_steps[t].addcmul_(dA_steps[t + 1], G_steps[t + 1])
-        return G
-    if backend in ("pscan", "associative"):  # the Brent-Kung tree in reverse, in place, as pscan.py's
-        G[:, -1] += grad_last                # own backward of both runs it (its sections 5 and 8)
-        return pscan._brent_kung_(G, dA[:, 1:], reverse=True)
-    # any other scan: pscan.scan on the time-reversed sequence. The step after the last one is the
-    # identity (dA = 1), which lets grad_last enter as the start state.
+def _scan_in_place(h, dA, backend, reverse=False):
+    """The recurrence over dim 1, written over h: h_t += dA_t·h_{t-1} from the first step on, or
+    with reverse=True, h_t += dA_{t+1}·h_{t+1} from the last step back (the backward's G). The
+    caller has folded the start state into h's first step (the last one in reverse). dA, h:
+    (b, L, *rest). Backends that cannot scan in place go through pscan.scan, which allocates."""
+    if backend == "sequential":  # pscan.scan_sequential's loop, in place on views of each step
+        h_steps, dA_steps = h.unbind(1), dA.unbind(1)  # (b, *rest) each
+        if reverse:
+            for t in range(h.shape[1] - 2, -1, -1):
+                h_steps[t].addcmul_(dA_steps[t + 1], h_steps[t + 1])
+        else:
+            for t in range(1, h.shape[1]):
+                h_steps[t].addcmul_(dA_steps[t], h_steps[t - 1])
+        return h
+    if backend == "pscan" or (backend == "associative" and reverse):  # the Brent-Kung tree of
+        return pscan._brent_kung_(h, dA[:, 1:], reverse)              # pscan.py, sections 5 and 8
+    if not reverse:
+        return pscan.scan(dA, h, None, backend)
+    # pscan.scan on the time-reversed sequence; the step after the last one is the identity
     dA_next = torch.cat([dA[:, 1:], torch.ones_like(dA[:, :1])], dim=1)  # (b, L, *rest)  dA_{t+1}
-    return pscan.scan(dA_next.flip(1), grad_h.flip(1), grad_last, backend).flip(1)
+    return pscan.scan(dA_next.flip(1), h.flip(1), None, backend).flip(1)
 
 
 def _autocast_off(device):
@@ -699,44 +715,64 @@ class _SelectiveScan(torch.autograd.Function):
     def forward(ctx, x, delta, A, B, C, D, z, h0, backend, reset):
         with _autocast_off(x.device):
             A_transposed = A.t().contiguous()  # (N, ED); a strided one makes the broadcast 1.5x slower
-            dA = torch.exp(delta.unsqueeze(-2) * A_transposed)  # (b, L, N, ED)  exp(Δ·A)
+            dA = torch.mul(delta.unsqueeze(-2), A_transposed).exp_()  # (b, L, N, ED)  exp(Δ·A)
             if reset is not None:  # saved with its zeros: the backward's G_t and dLoss/d(Δ·A) stop there
                 dA.masked_fill_(reset[:, :, None, None], 0)
-            dBx = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x
-            h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
+            h = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x, scanned into h
+            if h0 is not None:  # h_0 = dA_0·h0 + dBx_0
+                h[:, 0].addcmul_(dA[:, 0], h0.transpose(1, 2))
             if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
-                backend = pscan.choose_backend(dA, dBx, h_start)
-            h = pscan.scan(dA, dBx, h_start, backend)  # (b, L, N, ED)
+                backend = pscan.choose_backend(dA, h)
+            h = _scan_in_place(h, dA, backend)  # (b, L, N, ED)
             y = (C.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, ED)  C_t·h_t
+            if D is not None:
+                y.addcmul_(x, D)  # y + D·x, saved so that the backward need not add it again
+            silu_z = None if z is None else F.silu(z)
+            out = y if z is None else y * silu_z
         ctx.backend, ctx.reset = backend, reset
-        ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y)  # the inputs, dA, h and y
-        return skip_and_gate(y, x, D, z), h[:, -1].transpose(1, 2).contiguous()  # (b, L, ED), (b, ED, N)
+        ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y, silu_z)  # also dA, h, y + D·x, SiLU(z)
+        return out, h[:, -1].transpose(1, 2).contiguous()  # (b, L, ED), (b, ED, N)
 
     @staticmethod
     def backward(ctx, grad_out, grad_last):
-        x, delta, A, B, C, D, z, h0, dA, h, y = ctx.saved_tensors
+        x, delta, A, B, C, D, z, h0, dA, h, y_skip, silu_z = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will follow
             return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None, None)
         with _autocast_off(x.device):
             grad_y, grad_z = grad_out, None  # (b, L, ED)
             if z is not None:
-                sig = torch.sigmoid(z)
-                grad_z = grad_out * skip_and_gate(y, x, D, None) * sig * (1 + z * (1 - sig))
-                grad_y = grad_out * z * sig  # grad_out·SiLU(z)
-            grad_h = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  through y_t only
-            G = _reverse_scan(dA, grad_h, grad_last.transpose(1, 2), ctx.backend)  # (b, L, N, ED)
-            first = torch.zeros_like(h[:, :1]) if h0 is None else h0.transpose(1, 2).unsqueeze(1)
-            through_dA = torch.cat([first, h[:, :-1]], dim=1).mul_(dA).mul_(G)  # (b, L, N, ED)  dLoss/d(Δ_t·A)
-            GB = (B.unsqueeze(-2) @ G).squeeze(-2)  # (b, L, ED)  G_t·B_t
+                grad_z = torch.ops.aten.silu_backward(grad_out * y_skip, z)  # grad_out·(y + D·x)·SiLU'(z)
+                grad_y = grad_out * silu_z
+            G = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  through y_t only, so far
+            G[:, -1] += grad_last.transpose(1, 2)
+            G = _scan_in_place(G, dA, ctx.backend, reverse=True)  # (b, L, N, ED)  G_t in total
+            # The rest, one state n at a time: each step reads the n-th (b, L, ED) slices of G, dA
+            # and h once and works on them while they are in the CPU's cache, instead of making
+            # several passes over the whole (b, L, N, ED) tensors, which do not fit in it.
+            delta_x = delta * x  # (b, L, ED)
+            GB = torch.zeros_like(x)  # (b, L, ED)  Σ_n G_t·B_t
+            through_A = torch.zeros_like(x)  # (b, L, ED)  Σ_n dLoss/d(Δ_t·A)·A
+            grad_A, grad_B, grad_C = torch.empty_like(A), torch.empty_like(B), torch.empty_like(C)
+            h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
+            for n in range(A.shape[1]):
+                G_n, dA_n, h_n = G[:, :, n], dA[:, :, n], h[:, :, n]  # (b, L, ED) each
+                grad_B[..., n] = torch.linalg.vecdot(G_n, delta_x)  # Σ_ed G·Δ·x
+                grad_C[..., n] = torch.linalg.vecdot(h_n, grad_y)  # Σ_ed grad_y·h
+                GB.addcmul_(G_n, B[..., n, None])
+                d_dA = G_n * dA_n  # dLoss/d(Δ_t·A) = G_t·dA_t·h_{t-1}
+                d_dA[:, 1:].mul_(h_n[:, :-1])
+                if h_start is None:
+                    d_dA[:, 0].zero_()
+                else:
+                    d_dA[:, 0].mul_(h_start[:, n])
+                through_A.addcmul_(d_dA, A[:, n])
+                grad_A[:, n] = d_dA.mul_(delta).sum((0, 1))
             grad_x = delta * GB  # (b, L, ED)
-            grad_delta = x * GB + (through_dA * A.t().contiguous()).sum(-2)  # (b, L, ED)
-            grad_A = through_dA.mul_(delta.unsqueeze(-2)).sum((0, 1)).t()  # (ED, N)
-            grad_B = (G * (delta * x).unsqueeze(-2)).sum(-1)  # (b, L, N)
-            grad_C = (h * grad_y.unsqueeze(-2)).sum(-1)  # (b, L, N)
+            grad_delta = through_A.addcmul_(x, GB)  # (b, L, ED)
             grad_D = grad_h0 = None
             if D is not None:
                 grad_D = (grad_y * x).sum((0, 1))  # (ED,)
-                grad_x = grad_x + grad_y * D
+                grad_x.addcmul_(grad_y, D)
             if h0 is not None:
                 grad_h0 = (dA[:, 0] * G[:, 0]).transpose(1, 2)  # (b, ED, N)
         return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None, None
@@ -764,6 +800,33 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
     return _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend, reset)
+
+
+class _CausalConv(torch.autograd.Function):
+    """shifted_sum (section 3) with its backward written out. Autograd's would, for every tap, zero
+    a tensor the size of x_pad, copy the tap's gradient into it (the backward of a slice) and add
+    them up; here the taps' gradients go into one buffer, and each weight's gradient is one dot
+    product over the batch and the sequence. The backward is made of differentiable ops, so a
+    second derivative (create_graph=True) works through it."""
+
+    @staticmethod
+    def forward(ctx, x_pad, w, bias, keep):
+        ctx.save_for_backward(x_pad, w, keep)
+        ctx.has_bias = bias is not None
+        return shifted_sum(x_pad, w, bias, keep)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_pad, w, keep = ctx.saved_tensors
+        width, L = w.shape[1], grad_out.shape[1]
+        grad_x_pad = torch.zeros_like(x_pad, dtype=grad_out.dtype)  # (b, d_conv-1+L, C)
+        grad_w = torch.empty_like(w, dtype=grad_out.dtype)  # (C, d_conv)
+        for k in range(width):  # out_t = Σ_k w_k·x_pad_{t+k}: tap k read x_pad[:, k:k+L]
+            grad_k = grad_out if keep is None else grad_out * keep[:, :, k, None]  # (b, L, C)
+            grad_x_pad[:, k:k + L].addcmul_(grad_k, w[:, k])
+            grad_w[:, k] = (grad_k * x_pad[:, k:k + L]).sum((0, 1))
+        grad_bias = grad_out.sum((0, 1)) if ctx.has_bias else None
+        return grad_x_pad.to(x_pad.dtype), grad_w.to(w.dtype), grad_bias, None
 
 
 # The fused path. Where the time goes: the reference writes dA, dBx and h to memory as

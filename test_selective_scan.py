@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import mamba_minimal as mm
 import pscan
 from test_model import reference_selective_scan
+from test_use import loop_conv
 
 NAMES = ["x", "delta", "A", "B", "C", "D", "z", "h0"]
 # the eager backends: the pscan.py scans selective_scan knows ("two_level" once pscan.py has it)
@@ -107,7 +108,41 @@ def test_the_model_trains_through_the_function():
     nodes = {type(f).__name__ for f in seen}
     assert "_SelectiveScanBackward" in nodes
     assert "ExpBackward0" in nodes  # A = -exp(A_log), outside the scan
-    assert "AddcmulBackward0" in nodes  # the conv's multiply-adds, outside the scan
+    assert "_CausalConvBackward" in nodes  # the conv, with its own backward
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("with_buffer", [False, True])
+def test_the_conv_backward_equals_the_float64_loop(packed, with_buffer):
+    # _CausalConv's hand-written gradients against autograd through test_use.py's loop: for the
+    # input, the cache's buffer, the weights and the bias, with and without packed sequences
+    mixer = mm.MambaMixer(mm.MambaConfig(d_model=6, d_state=3)).double()
+    g = torch.Generator().manual_seed(0)
+    b, L, ED, d = 2, 9, mixer.cfg.d_inner, mixer.cfg.d_conv
+    x = torch.randn(b, L, ED, generator=g, dtype=torch.float64, requires_grad=True)
+    buffer = torch.randn(b, ED, d, generator=g, dtype=torch.float64, requires_grad=True) if with_buffer else None
+    seq_idx = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2], [0, 0, 0, 0, 1, 1, 1, 1, 1]]) if packed else None
+    grad_out = torch.randn(b, L, ED, generator=g, dtype=torch.float64)
+    weight, bias = mixer.conv1d.weight, mixer.conv1d.bias
+    leaves = [t for t in (x, buffer, weight, bias) if t is not None]
+
+    got = mixer.causal_conv(x, buffer, seq_idx)
+    got_grads = torch.autograd.grad(got, leaves, grad_out)
+    expected = loop_conv(x, weight[:, 0], bias, seq_idx if packed else torch.zeros(b, L, dtype=torch.long), buffer)
+    expected_grads = torch.autograd.grad(expected, leaves, grad_out)
+    assert (got - expected).abs().max() < 1e-12
+    for name, a, e in zip(["x", "buffer", "weight", "bias"], got_grads, expected_grads):
+        assert (a - e).abs().max() < 1e-12, name
+
+
+def test_the_conv_has_second_derivatives():
+    mixer = mm.MambaMixer(mm.MambaConfig(d_model=4, d_state=2)).double()
+    x = torch.randn(2, 6, mixer.cfg.d_inner, dtype=torch.float64, requires_grad=True)
+    weight = mixer.conv1d.weight.detach().clone().requires_grad_()
+    x_pad = lambda x: F.pad(x, (0, 0, mixer.cfg.d_conv - 1, 0))
+    # the square makes the second derivative depend on both the input and the weights
+    assert torch.autograd.gradgradcheck(lambda x, w: mm._CausalConv.apply(x_pad(x), w[:, 0], None, None) ** 2,
+                                        (x, weight))
 
 
 @pytest.mark.parametrize("backend", EAGER)
