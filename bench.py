@@ -8,6 +8,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py train         # one training step: the default Mamba, its alternatives, Mamba-2, the same-size GPT
     python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
     python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
+    python bench.py sweep --max-time 300  # the grid that chose both models' CPU defaults (SWEEP_GRID)
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
@@ -538,6 +539,31 @@ def race_summary(curves, budget):
     return curve_rows, best_rows, margin, max(max(b) - min(b) for b in best.values())
 
 
+def train_runs(group, args, device, env):
+    """Train each (label, trainer flags, out_dir) of group with train_shakespeare.py for
+    --max-time seconds: one after the other, or all at once with --together. Yields (label, its
+    val curve, (steps, ms per step)) per run, in order."""
+    trainer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_shakespeare.py")
+    started = []
+    for label, flags, out_dir in group:
+        if os.path.exists(os.path.join(out_dir, "log.jsonl")):
+            os.remove(os.path.join(out_dir, "log.jsonl"))  # a fresh run, not an appended one
+        cmd = [sys.executable, trainer, "--max-time", str(args.max_time), "--out-dir", out_dir,
+               "--device", str(device), "--no-sample"] + flags + (["--data", args.data] if args.data else [])
+        print(f"  {label}: {' '.join(cmd[1:])}", flush=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
+        started.append((label, out_dir, proc))
+        if not args.together:
+            proc.wait()
+    for label, out_dir, proc in started:
+        if proc.wait() != 0:
+            raise SystemExit(f"{label}'s run failed (exit {proc.returncode}); see {out_dir}")
+        log_path = os.path.join(out_dir, "log.jsonl")
+        with open(log_path) as f:
+            last = [json.loads(line) for line in f if line.strip() and '"step"' in line][-1]
+        yield label, race_curve(log_path), (last["step"], last["elapsed"] / last["step"] * 1e3)
+
+
 def bench_race(args, device):
     """The GPT yardstick and the default Mamba (or the models --racers names), each trained by
     train_shakespeare.py for --max-time seconds, --runs times; their val curves at equal times, each
@@ -547,34 +573,17 @@ def bench_race(args, device):
     names = args.racers.split(",")
     if len(names) < 2 or any(n not in RACERS for n in names):
         raise SystemExit(f"--racers takes two or more of {', '.join(RACERS)}, got {args.racers!r}")
-    trainer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_shakespeare.py")
     out_root = args.out_dir or os.path.join("out", "race")
     threads = args.threads or (1 if args.together else None)
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     curves = {RACERS[n][0]: [] for n in names}
     speed = {RACERS[n][0]: [] for n in names}
     for run in range(args.runs):
-        started = []
-        for name in names:
-            label, flags = RACERS[name]
-            out_dir = os.path.join(out_root, f"{name}-{run}")
-            if os.path.exists(os.path.join(out_dir, "log.jsonl")):
-                os.remove(os.path.join(out_dir, "log.jsonl"))  # a fresh run, not an appended one
-            cmd = [sys.executable, trainer, "--max-time", str(args.max_time), "--out-dir", out_dir,
-                   "--device", str(device), "--no-sample"] + flags + (["--data", args.data] if args.data else [])
-            print(f"run {run + 1}/{args.runs}, {label}: {' '.join(cmd[1:])}", flush=True)
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
-            started.append((label, out_dir, proc))
-            if not args.together:
-                proc.wait()
-        for label, out_dir, proc in started:
-            if proc.wait() != 0:
-                raise SystemExit(f"{label}'s run failed (exit {proc.returncode}); see {out_dir}")
-            log_path = os.path.join(out_dir, "log.jsonl")
-            curves[label].append(race_curve(log_path))
-            with open(log_path) as f:
-                last = [json.loads(line) for line in f if line.strip() and '"step"' in line][-1]
-            speed[label].append((last["step"], last["elapsed"] / last["step"] * 1e3))
+        group = [(RACERS[name][0], RACERS[name][1], os.path.join(out_root, f"{name}-{run}")) for name in names]
+        print(f"run {run + 1}/{args.runs}", flush=True)
+        for label, curve, steps_ms in train_runs(group, args, device, env):
+            curves[label].append(curve)
+            speed[label].append(steps_ms)
     curve_rows, best_rows, margin, spread = race_summary(curves, args.max_time)
     labels = list(curves)
     how = "at the same time" if args.together else "one after the other"
@@ -589,6 +598,39 @@ def bench_race(args, device):
         (f"{labels[1]} ahead" if margin > 0 else f"{labels[0]} ahead")
     print(f"\nmargin at equal time ({labels[0]}'s mean best val - {labels[1]}'s): {margin:+.4f}; largest "
           f"spread over runs {spread:.4f}: {verdict}")
+
+
+# The CPU defaults of both models, chosen at the 300 s budget by the same small grid around each
+# one's defaults: the learning rate down and up, two other shapes of about the same size (for
+# Mamba, one is a larger state), and twice the batch. Point i of each model trains at the same time
+# as point i of the other, one thread each, so that the machine's load falls on both alike.
+SWEEP_GRID = {
+    "mamba": [[], ["--lr", "3e-3"], ["--lr", "1e-2"], ["--d-state", "8"],
+              ["--n-layer", "5", "--d-model", "160"], ["--batch-size", "24"]],
+    "gpt": [[], ["--lr", "5e-4"], ["--lr", "2e-3"], ["--n-layer", "6", "--d-model", "112"],
+            ["--n-layer", "2", "--d-model", "192", "--n-head", "6"], ["--batch-size", "24"]],
+}
+
+
+def bench_sweep(args, device):
+    """SWEEP_GRID: every point trained by train_shakespeare.py for --max-time seconds, paired as
+    above; per model, each point's steps, ms per step and best val against its defaults'."""
+    out_root = args.out_dir or os.path.join("out", "sweep")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
+    pairs = list(zip(SWEEP_GRID["mamba"], SWEEP_GRID["gpt"]))
+    results = {"mamba": [], "gpt": []}
+    for i, (mamba_flags, gpt_flags) in enumerate(pairs):
+        print(f"point {i + 1}/{len(pairs)}", flush=True)
+        group = [("mamba", mamba_flags, os.path.join(out_root, f"mamba-{i}")),
+                 ("gpt", ["--arch", "gpt"] + gpt_flags, os.path.join(out_root, f"gpt-{i}"))]
+        for (name, flags, _), (_, curve, (steps, ms)) in zip(group, train_runs(group, argparse.Namespace(
+                **dict(vars(args), together=True)), device, env)):
+            results[name].append((" ".join(flags[2:] if name == "gpt" else flags) or "(defaults)", steps, ms,
+                                  min(v for _, v in curve)))
+    for name, rows in results.items():
+        default = rows[0][3]
+        table(f"{name}: {args.max_time:g} s each, one thread, best val", ["flags", "steps", "ms/step", "best val",
+              "- defaults'"], [[f, str(n), f"{ms:.0f}", f"{v:.4f}", f"{v - default:+.4f}"] for f, n, ms, v in rows])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1089,7 +1131,7 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, profile, race, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, "
+                                           "train, profile, race, sweep, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, "
                                            "all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
@@ -1128,12 +1170,12 @@ def main():
         p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
-              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "generate": bench_generate,
+              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "sweep": bench_sweep, "generate": bench_generate,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3}
     whats = args.what or ["scan"]
     if whats == ["all"]:
-        whats = [w for w in tables if w != "race"]  # the race trains for minutes: it runs on its own
+        whats = [w for w in tables if w not in ("race", "sweep")]  # they train for minutes: each runs on its own
     for what in whats:
         if what not in tables:
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")
