@@ -656,25 +656,26 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 #       grad_y = grad_out·SiLU(z)        grad_z = grad_out·(y + D·x)·SiLU'(z)
 #       grad_D = Σ_{b,t} grad_y·x        grad_x gets grad_y·D
 #   The state. G_t = dLoss/dh_t in total, through y_t and through every later state, is pscan.py's
-#   reverse recurrence (its section 8), driven by the read-out; grad_h is the final state's gradient:
-#       G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},        G_{L-1} = grad_y_{L-1}·C_{L-1} + grad_h
+#   reverse recurrence (its section 8), driven by the read-out; grad_last is dLoss/d(final state):
+#       G_t = grad_y_t·C_t + dA_{t+1}·G_{t+1},        G_{L-1} = grad_y_{L-1}·C_{L-1} + grad_last
 #   Every input, summing over what it touches (G_t·B_t sums over the N states):
 #       grad_C_t = Σ_ed grad_y_t·h_t      grad_B_t = Σ_ed G_t·Δ_t·x_t      grad_x_t = Δ_t·(G_t·B_t)
 #       grad_Δ_t = x_t·(G_t·B_t) + Σ_n G_t·h_{t-1}·dA_t·A
 #       grad_A = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t                              grad_h0 = dA_0·G_0
 #
-# The eager forward has every state in memory anyway, so each Σ above is one pass over the whole
-# sequence, and G is one reverse scan run by the forward's own backend. The forward keeps its
-# inputs, the decays dA and the states h: recomputing dA would save memory but costs an exp per
-# value, the dearest op of the backward. Every new (b, L, ED, N) tensor also costs the allocator
-# fresh memory, which the operating system hands out page by page, so the backward works in place
-# where it can.
+# The eager forward has every state in memory anyway, so each Σ above is a pass over the whole
+# sequence, and G is one reverse scan, run in place by the forward's own backend. The forward
+# keeps its inputs, the decays dA and the states h: recomputing dA would save memory, but exp is
+# the dearest op of the forward (`python bench.py profile`). On a CPU, what these passes cost is
+# memory traffic: a (b, L, N, ED) tensor (3.1 MB at the trainer's shape) is larger than a core's
+# L2 cache, so each pass over a whole one goes out to the L3 cache or to memory. The backward
+# therefore works one state n at a time, on (b, L, ED) slices that stay in cache while several
+# sums use them, and writes no (b, L, N, ED) tensor besides G.
 #
 # Layout: inside _SelectiveScan the states are (b, L, N, ED), ED last, not section 1's
-# (b, L, ED, N). With N as small as 4, a last dimension of N turns every broadcast (Δ·A, Δ·B·x,
-# grad_y·C) and every sum over N into loops of 4 values; with ED last they run over 256
-# contiguous values (several times faster at the trainer's shape), and the read-out and G·B
-# become batched (1, N) @ (N, ED) matmuls.
+# (b, L, ED, N). With N as small as 4, a last dimension of N would make every broadcast and every
+# sum over N run along 4 values, where one AVX-512 register holds 16 fp32 values; with ED last
+# they run along 256 contiguous values, and the read-out C·h is a batched (1, N) @ (N, ED) matmul.
 
 def _scan_in_place(h, dA, backend, reverse=False):
     """The recurrence over dim 1, written over h: h_t += dA_t·h_{t-1} from the first step on, or
@@ -844,8 +845,8 @@ class _CausalConv(torch.autograd.Function):
 # state, contract with C, add D·x, gate with SiLU(z), and pass the last state on. In a forward
 # pass, and in training with recompute (below), only (b, T, ED, N) is ever alive. Eagerly this
 # is still several passes over a small block; under torch.compile, Inductor fuses the chunk into
-# one kernel (C++ on a CPU; on a GPU a Triton kernel is expected, not yet measured) that reads x, Δ, B, C, z once and writes y once,
-# the states staying in registers and cache.
+# one kernel (generated C++ on a CPU, Triton on a GPU, where this path has not been timed) that
+# reads x, Δ, B, C, z once and writes y once, the states staying in registers and cache.
 #
 # Sequential in time, parallel across channels: this is what makes the fused path fast on a CPU.
 # Each chunk runs its T steps one after another from the carried state, and every step is one
@@ -905,7 +906,7 @@ def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, keep, grad_out, grad_h):
     reverse loop, step by step. Batching them after the loop
     looks more vectorized but needs G and h as (b, T, ED, N) tensors. In Inductor's generated C++
     the per-step reductions over N fuse into the reverse pass and those over ED and the batch
-    become small loops per step; that ran 1.8x faster than the batched form.
+    become small loops per step; the batched form was 1.8x slower.
     """
     dA, dBx = discretize(x, delta, A, B)  # (b, T, ED, N)
     if keep is not None:  # as the forward: G_t and dLoss/d(Δ·A) stop where a sequence starts
@@ -952,8 +953,7 @@ def _maybe_compiled(fn, compile, device):
     if key not in _compiled:
         # On a CPU, Inductor's C++ wrapper instead of its Python one: the code around the kernels
         # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++, which
-        # trims the fixed cost of every call (about 35 us per call with it, at 16-step chunks,
-        # on a 2-core Intel Xeon with AVX-512).
+        # trims the fixed cost of every call.
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
         _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
     return _compiled[key]
@@ -1076,7 +1076,7 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     return torch.cat(ys, dim=1)[:, :l], h  # (b, L, ED), (b, ED, N)
 
 
-chunked_selective_scan = fused_selective_scan  # the old name of fused_selective_scan
+chunked_selective_scan = fused_selective_scan  # deprecated alias: "chunked" now names Mamba-2's SSD form only
 
 
 # The public entry point. It takes the arguments of the official selective_scan_fn, except that Δ
@@ -1085,8 +1085,8 @@ chunked_selective_scan = fused_selective_scan  # the old name of fused_selective
 # backward above) or to the fused path.
 #
 # The eager backends name the pscan.py scan that runs the recurrence; "fused" is this section's
-# chunk-by-chunk path, which runs its own loop. "chunked" is the fused path's old name, still
-# accepted; it is not pscan.py's two-level scan, which is "two_level" here.
+# chunk-by-chunk path, which runs its own loop. "chunked" is accepted for "fused" with a
+# DeprecationWarning: the word belongs to Mamba-2's chunked SSD (mamba2_minimal.py).
 SCAN_BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative", "fused", "chunked")
 FUSED_BACKENDS = ("fused", "chunked")
 COMPILE_MODES = (False, True, "loop")
@@ -1101,7 +1101,7 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
         x, delta, A, B, C, D, z, h0: as in selective_scan_reference (section 2)
         backend: "sequential", "pscan", "hillis_steele", "two_level", "associative" (the pscan.py
                  scan that eager_selective_scan runs over materialized tensors), "auto" (pscan.scan's
-                 choice), or "fused" (the fused path of this section; "chunked" is its old name)
+                 choice), or "fused" (the fused path of this section; "chunked": deprecated, "fused")
         compile: False; True to run the fused path through torch.compile (implies
                  backend="fused"), chunk by chunk; "loop" to compile, for forward-only passes,
                  the loop over chunks as well (faster on long sequences, but every new process
@@ -1113,6 +1113,9 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
         (fp64 for fp64 inputs)
     """
     _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, reset)
+    if backend == "chunked":
+        warnings.warn('selective_scan: backend="chunked" is deprecated, it is the fused path: use "fused"',
+                      DeprecationWarning, stacklevel=2)
     out_dtype = x.dtype
     if compile or backend in FUSED_BACKENDS:
         y, h_last = fused_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile, reset)

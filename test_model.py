@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import mamba_minimal as mm
 from mamba_minimal import MambaConfig, MambaLM
 
-EAGER_BACKENDS = ["sequential", "pscan", "associative", "chunked"]
+EAGER_BACKENDS = ["sequential", "pscan", "associative", "fused"]  # the backends that run without compiling
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
@@ -61,8 +61,8 @@ def tiny_model(seed=0, **kw):
 
 SCAN_CASES = [  # (backend, chunk_size, recompute)
     ("sequential", 16, False), ("pscan", 16, False), ("associative", 16, False),
-    ("chunked", 4, False), ("chunked", 4, True), ("chunked", 16, False), ("chunked", 16, True),
-    ("chunked", 5, True), ("auto", 16, False),
+    ("fused", 4, False), ("fused", 4, True), ("fused", 16, False), ("fused", 16, True),
+    ("fused", 5, True), ("auto", 16, False),
 ]
 
 
@@ -107,12 +107,12 @@ def test_selective_scan_without_optional_inputs():
 
 @pytest.mark.parametrize("keep", ["D", "z", "neither"])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_chunked_gradients_without_skip_or_gate(keep, recompute):
+def test_fused_gradients_without_skip_or_gate(keep, recompute):
     # the chunk applies D·x and the gate itself; each may be absent, and then gets no gradient
     x, delta, A, B, C, D, z, h0 = (t.requires_grad_() for t in scan_inputs(l=21))
     D, z = (D if keep == "D" else None), (z if keep == "z" else None)
     inputs = [t for t in (x, delta, A, B, C, D, z, h0) if t is not None]
-    y = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="chunked", chunk_size=8, recompute=recompute)
+    y = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="fused", chunk_size=8, recompute=recompute)
     y_ref, _ = reference_selective_scan(x, delta, A, B, C, D, z, h0)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     gy = torch.randn_like(y_ref)
@@ -192,7 +192,7 @@ def test_selective_scan_unknown_backend_and_chunk_size_raise():
     with pytest.raises(ValueError, match="backend must be one of"):
         mm.selective_scan(*args, backend="cuda_kernel")
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
-        mm.selective_scan(*args, backend="chunked", chunk_size=0)
+        mm.selective_scan(*args, backend="fused", chunk_size=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -848,13 +848,13 @@ def test_second_derivatives_are_right_or_refused():
     x, delta, A, B, C, D, z, h0 = scan_inputs(b=1, l=5, ed=2, n=2)
     want = torch.autograd.functional.hessian(
         lambda x: reference_selective_scan(x, delta, A, B, C, D, z, h0)[0].pow(2).sum(), x)
-    for kwargs in (dict(backend="chunked", chunk_size=2, recompute=False), dict(backend="sequential")):
+    for kwargs in (dict(backend="fused", chunk_size=2, recompute=False), dict(backend="sequential")):
         got = torch.autograd.functional.hessian(
             lambda x: mm.selective_scan(x, delta, A, B, C, D, z, h0, **kwargs).pow(2).sum(), x)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     with pytest.raises(RuntimeError, match="cannot be differentiated again"):
         torch.autograd.functional.hessian(
-            lambda x: mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="chunked", chunk_size=2,
+            lambda x: mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="fused", chunk_size=2,
                                         recompute=True).pow(2).sum(), x)
 
 

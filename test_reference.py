@@ -30,7 +30,7 @@ import torch
 import mamba_minimal as mm
 from mamba_minimal import MambaConfig, MambaLM
 
-BACKENDS = ["sequential", "pscan", "associative", "chunked"]
+BACKENDS = ["sequential", "pscan", "associative", "fused"]
 TOL = 1e-10  # float64 throughout: anything above rounding is a real difference
 
 
@@ -188,7 +188,7 @@ def test_logits_match_the_reference(backend, variant):
 
 
 @pytest.mark.parametrize("variant", ["tied", "untied,bias,no-conv-bias"])
-@pytest.mark.parametrize("backend, recompute", [(b, True) for b in BACKENDS] + [("chunked", False)])
+@pytest.mark.parametrize("backend, recompute", [(b, True) for b in BACKENDS] + [("fused", False)])
 def test_gradients_match_the_reference(backend, recompute, variant):
     """Every parameter's gradient, the reference's through plain autograd. A tied head's gradient
     is the sum of its two uses, as the reference's single leaf used twice gives."""

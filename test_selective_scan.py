@@ -198,17 +198,20 @@ def test_under_bf16_autocast_the_read_out_and_the_saved_states_stay_fp32(scan):
     assert states and all(t.dtype == torch.float32 for t in states)
 
 
-def test_fused_is_the_fused_path_and_chunked_its_old_name(monkeypatch):
+def test_fused_is_the_fused_path_and_chunked_a_deprecated_name_for_it(monkeypatch):
     args = inputs(l=11)
     y_ref, h_ref = loop_scan(*args)
     calls = []
     fused = mm.fused_selective_scan
     monkeypatch.setattr(mm, "fused_selective_scan", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    for backend in ("fused", "chunked"):  # pscan.py's two-level scan, once named "chunked", gives the same numbers
-        y, h = mm.selective_scan(*args, backend=backend, chunk_size=4, return_last_state=True)
-        torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-        torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
-    assert len(calls) == 2
+    y, h = mm.selective_scan(*args, backend="fused", chunk_size=4, return_last_state=True)
+    with pytest.warns(DeprecationWarning, match='use "fused"'):
+        y_old, h_old = mm.selective_scan(*args, backend="chunked", chunk_size=4, return_last_state=True)
+    for got in (y, y_old):
+        torch.testing.assert_close(got, y_ref, rtol=1e-10, atol=1e-10)
+    for got in (h, h_old):
+        torch.testing.assert_close(got, h_ref, rtol=1e-10, atol=1e-10)
+    assert len(calls) == 2  # both went through the fused path
     assert mm.chunked_selective_scan is fused
     assert "fused" in mm.SCAN_BACKENDS and mm.SCAN_BACKENDS is not pscan.BACKENDS
     mm.MambaConfig(scan_backend="chunked")  # still accepted
