@@ -353,8 +353,8 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
         if torch.compiler.is_compiling():
-            # compiled (Mamba2Config.compile_mixer), step 2 starts a new graph: with steps 1 and 2
-            # in one graph, torch 2.13's CPU compiler made a backward that corrupted the heap.
+            # compiled (Mamba2Config.compile_mixer), step 2 starts a new graph: torch 2.13's CPU
+            # backend crashed in the backward of one graph holding steps 1 and 2
             torch._dynamo.graph_break()
         # 2. every chunk's end state E_k from a zero state, input t decayed by a_{t+1} + ... + a_{T-1}
         decay_from_start = torch.exp(a.cumsum(-1))  # (b, K, G, H/G, T)  exp(a_0 + ... + a_t)
@@ -564,7 +564,7 @@ class Mamba2Mixer(nn.Module):
     # elementwise work around them (conv, SiLU, decay mask, gate, norm), one pass over memory per
     # op in eager mode, which Inductor fuses into loops: about 1.3x per training step for the
     # trainer's default Mamba-2, a block of one chunk (`python bench.py mamba2_train`, 2-core
-    # Intel Xeon with AVX-512); with many chunks the backward gains little. One graph serves
+    # Intel Xeon with AVX-512). One graph serves
     # every layer (the parameters are its inputs); a new input shape or grad mode compiles again.
     # With several chunks it runs as three graphs: ssd() breaks at its step 2, and pscan.scan runs
     # eagerly (the compiler refuses its autograd Function's forward-mode rule, jvp). Prefill and

@@ -38,7 +38,8 @@ v is the head's input x.
     S        number of rotated pairs, num_rope_angles = d_state·rope_fraction / 2
     T        chunk_size, the length of one chunk in mamba3_chunked()
     v        the SSM's input per head, in_proj's x (official V)          (b, L, H, P)
-    q, k     C and B after their RMSNorm, before the per-head bias       (b, L, R, G, N)
+    q, k     C and B after their RMSNorm, before the per-head bias       (b, L, R, G, N);
+             the state keeps the previous token's k after its bias and rotation, as k_prev
     dt       Δ, the step size, per token and head                         (b, L, H)
     adt      Δ·A, the log-decay per token and head (A < 0, per token)     (b, L, H)
     lam      λ = sigmoid(trap), the trapezoid's weight on the token now   (b, L, H)
@@ -70,8 +71,10 @@ PAIRINGS = ("adjacent", "halves")
 # ------------------------------------------------------------------------------------------------
 # 1. The recurrence
 # ------------------------------------------------------------------------------------------------
-# One head, one token (the paper's recurrence; the official tests' mamba3_siso_step_ref and
-# mamba3_MIMO_step_ref):
+# One head, one token (the paper's recurrence, as the official Mamba3.step computes it; its tests'
+# mamba3_siso_step_ref is the same for SISO, while their mamba3_MIMO_step_ref rotates adjacent
+# entries and lets the angle grow, where Mamba3.step, the MIMO kernels and this file rotate
+# entry j with j + N/2 for MIMO and keep the angle in [0, 2π)):
 #
 #     angle_t = angle_{t-1} + Δ_t·θ_t  (mod 2π)            one angle per rotated pair of q and k
 #     q̃_t, k̃_t = q_t, k_t (plus their per-head bias) rotated by angle_t    (section 2)
@@ -269,8 +272,8 @@ def rotate(t, angle, pairing="adjacent"):
 # Across chunks, what is carried is not h at a chunk's end e but g_e = h_e + σ_{e+1}·v_e·k_eᵀ:
 # the last token's contribution that step e+1 will add, before α_{e+1} (which the carried state
 # gets like every decay). Then chunk c's end value is g_c = exp(a over chunk c)·g_{c-1} + E_c,
-# E_c = Σ_s exp(a_{s+1} + ... + a_end)·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
-# and y_t gains exp(a_1 + ... + a_t)·g_{c-1}·q_t. An initial state enters as
+# E_c = Σ_s exp(a_{s+1} + ... + a_{T-1})·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
+# and y_t gains exp(a_0 + ... + a_t)·g_{c-1}·q_t (steps t = 0 .. T-1 inside a chunk). An initial state enters as
 # g_{-1} = h0 + σ_0·v_prev·k_prevᵀ. At the sequence end there is no next token, σ_L = 0, so
 # the last g is the final h exactly. Any L: the last chunk is padded with identity steps
 # (Δ = 0, so α = 1 and β = γ = σ = 0), which change neither y nor the state.
@@ -355,13 +358,13 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
 
     # Steps 2-4 matter only when a state comes in, goes out, or crosses a chunk boundary
     if n_chunks > 1 or state is not None or return_state:
-        # 2. each chunk's end value S_c from a zero state
-        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, H, T)  a_{s+1} + ... + a_T
+        # 2. each chunk's end value E_c from a zero state
+        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, H, T)  a_{s+1} + ... + a_{T-1}
         w_end = (torch.exp(to_end) * weight).repeat_interleave(R, dim=-1)  # (b, c, H, T·R)
         ends = (V * w_end[..., None]).transpose(-1, -2) @ K  # (b, c, H, P, N)
 
-        # 3. across chunks: g_c = exp(a over chunk c)·g_{c-1} + S_c
-        decay_from_start = torch.exp(a.cumsum(-1))  # (b, c, H, T)  exp(a_1 + ... + a_t)
+        # 3. across chunks: g_c = exp(a over chunk c)·g_{c-1} + E_c
+        decay_from_start = torch.exp(a.cumsum(-1))  # (b, c, H, T)  exp(a_0 + ... + a_t)
         chunk_decay = decay_from_start[..., -1, None, None].expand_as(ends)  # (b, c, H, P, N)
         g0 = None
         if state is not None:
