@@ -778,6 +778,11 @@ class _SelectiveScan(torch.autograd.Function):
                 grad_h0 = (dA[:, 0] * G[:, 0]).transpose(1, 2)  # (b, ED, N)
         return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None, None
 
+    @staticmethod
+    def jvp(ctx, *tangents):  # forward-mode AD: no rule, and never a silent zero
+        raise RuntimeError("forward-mode AD (jvp) is not implemented for selective_scan's hand-written "
+                           "backward; differentiate selective_scan_reference instead, which supports it")
+
 
 def _recorded_gradients(ctx, inputs, grad_out, grad_last):
     """The gradients as a graph that can be differentiated again (a Hessian, a gradient penalty):
@@ -828,6 +833,11 @@ class _CausalConv(torch.autograd.Function):
             grad_w[:, k] = (grad_k * x_pad[:, k:k + L]).sum((0, 1))
         grad_bias = grad_out.sum((0, 1)) if ctx.has_bias else None
         return grad_x_pad.to(x_pad.dtype), grad_w.to(w.dtype), grad_bias, None
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError("forward-mode AD (jvp) is not implemented for the causal conv's written-out "
+                           "backward; shifted_sum under plain autograd supports it")
 
 
 # The fused path. Where the time goes: the reference writes dA, dBx and h to memory as

@@ -224,3 +224,17 @@ def test_backends_selective_scan_does_not_know_raise_a_value_error():
             mm.selective_scan(*args, backend=backend)
         with pytest.raises(ValueError, match="scan_backend must be one of"):
             mm.MambaConfig(scan_backend=backend)
+
+
+def test_forward_mode_ad_raises_a_clear_error():
+    # neither Function has a forward-mode rule: a jvp must fail loudly, never give zeros
+    import torch.autograd.forward_ad as fwAD
+    args = inputs()
+    mixer = mm.MambaMixer(mm.MambaConfig(d_model=4, d_state=2)).double()
+    with fwAD.dual_level():
+        x = fwAD.make_dual(args[0], torch.ones_like(args[0]))
+        with pytest.raises(RuntimeError, match="forward-mode AD .* selective_scan_reference"):
+            mm.selective_scan(x, *args[1:])
+        hidden = torch.randn(1, 5, 4, dtype=torch.float64)
+        with pytest.raises(RuntimeError, match="forward-mode AD .* causal conv"):
+            mixer(fwAD.make_dual(hidden, torch.ones_like(hidden)))
