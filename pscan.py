@@ -416,6 +416,8 @@ def scan(a, b, h0=None, backend="auto"):
 # the backward runs them through differentiable ops: the reverse scan as a forward scan of the
 # time-reversed sequence through this same autograd Function, and h as the Function's saved
 # output, whose own gradient comes back to it. A plain backward keeps the lean in-place one.
+# That is why _ScanFunction returns h in the accumulation dtype and the public functions cast it
+# outside: h stays an output that autograd can differentiate again.
 #
 # Forward mode (torch.func.jvp) is a scan too: tangents (ȧ, ḃ, ḣ0) of the inputs move the states by
 #     ḣ_t = a_t * ḣ_{t-1} + (ȧ_t * h_{t-1} + ḃ_t),    ḣ_{-1} = ḣ0,
@@ -455,10 +457,10 @@ _ScanFunction.generate_vmap_rule = True
 # B. torch's associative_scan
 # ------------------------------------------------------------------------------------------------
 # torch ships a generic parallel scan, torch._higher_order_ops.associative_scan (a prototype,
-# private API), which takes the combine rule as a Python function. Its combine_mode argument
-# (pytorch/pytorch#133012, first released in torch 2.5.0) selects "pointwise", which compiles
-# the scan into one Triton kernel and needs a CUDA or XPU device, or "generic", which runs
-# anywhere. This project asks for torch >= 2.6 (requirements.txt) and is tested on 2.13. The
+# private API), which takes the combine rule as a Python function (_combine, as it is). Its
+# combine_mode argument (pytorch/pytorch#133012) selects "pointwise", which compiles the scan
+# into one Triton kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. A
+# torch without that argument gets a RuntimeError; requirements.txt asks for torch >= 2.6. The
 # scan runs without autograd, and section 8's backward, which needs only a and h, serves it,
 # with the Brent-Kung tree running the reverse scan.
 
@@ -470,7 +472,8 @@ def _associative(x, w, reverse=False):
     except ImportError as err:
         raise RuntimeError(
             f"backend 'associative' needs torch._higher_order_ops.associative_scan with its "
-            f"combine_mode argument (see requirements.txt); this is torch {torch.__version__}"
+            f"combine_mode argument (requirements.txt: torch >= 2.6); "
+            f"this is torch {torch.__version__}"
         ) from err
     if x.numel() == 0:  # associative_scan cannot stack empty slices; there is nothing to scan
         return x
@@ -481,7 +484,7 @@ def _associative(x, w, reverse=False):
             _, h = associative_scan(_combine, (m, x), dim=1, combine_mode=mode)
         except TypeError as err:  # a torch from before combine_mode
             raise RuntimeError(f"backend 'associative' needs associative_scan's combine_mode argument "
-                               f"(torch >= 2.6, see requirements.txt); this is torch {torch.__version__}"
+                               f"(requirements.txt: torch >= 2.6); this is torch {torch.__version__}"
                                ) from err
     return h.contiguous()
 
