@@ -131,11 +131,11 @@ def _combine(first, then):
 # ------------------------------------------------------------------------------------------------
 # 5. The Brent-Kung tree
 # ------------------------------------------------------------------------------------------------
-# Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one vectorized
-# multiply-add over strided views, on half as many elements as the level before. After it, the
-# right element of every pair holds the whole block it closes. Down-sweep: walk back down; the
-# left element of every pair except the first now receives the finished prefix that ends just
-# before it. For L = 8, with x_t = (a_t, b_t):
+# Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one multiply-add
+# over strided views, half the size of the level before. After it, the right element of every
+# pair holds the whole block it closes. Down-sweep: walk back down; the left element of every
+# pair except the first receives the finished prefix that ends just before it. For L = 8, with
+# x_t = (a_t, b_t):
 #
 #   t:        0      1      2      3      4      5      6      7
 #             x0     x1     x2     x3     x4     x5     x6     x7
@@ -208,10 +208,9 @@ def _brent_kung_(x, w, reverse=False):
 #   d = 2       0:1    0:2    0:3    0:4    1:5    2:6    3:7    4:8     t takes t-2
 #   d = 4       0:1    0:2    0:3    0:4    0:5    0:6    0:7    0:8     t takes t-4
 #
-# (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6). Counted at
-# L = 1024 (`python bench.py depth`):
+# (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6).
 #
-#   scan                work           depth        counted at L = 1024
+#   scan                work           depth        counted at L = 1024 (`python bench.py depth`)
 #   Hillis-Steele       O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
 #   Brent-Kung (pscan)  O(L)           O(log L)     2036 combines in 19 levels: up, then down
 #   loop                L              L            1024 combines in 1024 levels
@@ -248,7 +247,7 @@ def _hillis_steele(x, w, reverse=False):
 #   chunks:     [ 0 .. T-1 ][ T .. 2T-1 ][ 2T .. 3T-1 ]
 #   1. scan:     └──────┤     └──────┤     └──────┤          from zero, all chunks at once
 #   2. carry:      carried_0 ──> carried_1 ──> carried_2     K - 1 dependent steps
-#   3. add:                  += ·carried_0  += ·carried_1
+#   3. correct:              chunk 1 += cumprod·carried_0, chunk 2 += cumprod·carried_1
 #
 # Depth: one chunk's tree (about 2·log2(T) levels), K - 1 carry steps, one correction: at best
 # 19 levels at L = 1024 (T = 256 or 512), as many as one tree. Work: step 3 adds about L - T
