@@ -3,36 +3,17 @@ pscan.py: the recurrence at the heart of Mamba, and every way to run it
 
     h_t = a_t * h_{t-1} + b_t          t = 0 .. L-1, from h_{-1} = h0 (zero by default)
 
-In a selective state space model (Mamba: Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2)
-a_t = exp(Δ_t·A) is a decay in (0, 1) and b_t = Δ_t·B_t·x_t, elementwise over every (channel,
-state) pair; mamba_minimal.py builds them. The argument `h0` is the state before the first step,
-written h_{-1} in the formulas (h_0 is the state after step 0). The lesson, top to bottom:
+In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) a_t = exp(Δ_t·A) is a decay in
+(0, 1) and b_t = Δ_t·B_t·x_t, elementwise over every (channel, state) pair (mamba_minimal.py).
+The lesson: 1. the loop (scan_sequential, the oracle), 2. the convolution view (why S4 needed no
+scan), 3. the combine rule, 4. work and depth, 5. the Brent-Kung tree (pscan), 6. the
+Hillis-Steele scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan().
+An appendix holds the engine: A. double backward, jvp, vmap; B. torch's associative_scan;
+C. how "auto" chooses; D. counting combines; E. checking the inputs.
 
-    1. The loop                  scan_sequential: the oracle and the baseline
-    2. The convolution view      why S4 needed no scan, and why Mamba does
-    3. The combine rule          two steps make one: why a recurrence can run in parallel
-    4. Work and depth            what a parallel scan costs
-    5. The Brent-Kung tree       pscan: up-sweep and down-sweep on strided views, any L
-    6. The Hillis-Steele scan    fewer levels, more work
-    7. The two-level scan        scan_two_level: a tree inside every chunk, a loop across chunks
-    8. The backward pass         a gradient that is itself a reverse scan
-    9. One entry point           scan(a, b, h0, backend="auto")
-
-The engine, in an appendix after the lesson (nothing in it is needed to follow the lesson):
-
-    A. Double backward, jvp, vmap       what create_graph=True and torch.func need
-    B. torch's associative_scan         scan_associative
-    C. How "auto" chooses               choose_backend and its measured threshold
-    D. Counting combines                count_combines, behind the work and depth figures
-    E. Checking the inputs
-
-Shapes: a and b are (batch, L, *rest) with the same shape; the scan runs over dim 1 and every
-other position is an independent recurrence. h0 is (batch, *rest). The result h is
-(batch, L, *rest) with h[:, -1] the final state. fp16/bf16 inputs are accumulated in fp32 and the
-result is returned in the input dtype. Inputs are never modified.
-
-`python bench.py scan` times the backends against each other, `python bench.py depth` prints
-their work and depth; test_scan.py checks each one against a float64 loop.
+Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
+(batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
+modified.
 """
 
 import contextlib
@@ -47,9 +28,9 @@ __all__ = ["scan_sequential", "scan_time_invariant", "pscan", "scan_hillis_steel
 # ------------------------------------------------------------------------------------------------
 # 1. The loop
 # ------------------------------------------------------------------------------------------------
-# L dependent steps, each one elementwise multiply-add over the batch·prod(rest) values of a step.
-# Exact and simple: every other backend is tested against it (test_scan.py runs it in float64).
-# Its weakness is depth: step t cannot start before step t-1 has finished.
+# L dependent steps, each an elementwise multiply-add: exact and simple, the oracle that
+# test_scan.py checks every other backend against. Its weakness is depth: step t cannot start
+# before step t-1 has finished.
 
 def scan_sequential(a, b, h0=None):
     """The loop. Differentiable through plain autograd (backward linear in L).
@@ -63,34 +44,27 @@ def scan_sequential(a, b, h0=None):
     dtype = _check_inputs(a, b, h0)
     h = torch.zeros_like(b[:, 0], dtype=dtype) if h0 is None else h0.to(dtype)  # (batch, *rest)
     hs = []
-    # unbind, not a[:, t]: the backward of indexing allocates a zero tensor of the full
-    # (batch, L, *rest) shape for every step, which would make the backward quadratic in L
+    # unbind, not a[:, t]: indexing's backward allocates full-size zeros per step, quadratic in L
     for a_t, b_t in zip(a.to(dtype).unbind(1), b.to(dtype).unbind(1)):
         h = torch.addcmul(b_t, a_t, h)  # (batch, *rest)  h_t = a_t * h_{t-1} + b_t
         hs.append(h)
     return torch.stack(hs, dim=1).to(a.dtype)  # (batch, L, *rest)
 
-# Why fp32 for half inputs: with a_t close to 1 the state is a long running sum, and once it is
-# large a small b_t is less than half the spacing of the numbers around it (fp16 keeps 11
-# significant bits, bf16 8) and is rounded away. Every backend accumulates in fp32.
+# Why fp32 for half inputs: with a_t close to 1 the state is a long running sum, and a small b_t
+# below half its spacing (fp16 keeps 11 significant bits, bf16 8) is rounded away.
 
 
 # ------------------------------------------------------------------------------------------------
 # 2. The convolution view
 # ------------------------------------------------------------------------------------------------
-# Unroll the loop: h_t = b_t + a_t·b_{t-1} + a_t·a_{t-1}·b_{t-2} + ... Every b_s reaches h_t
-# through the product of the a's in between. If a does not depend on t (a linear time-invariant
-# system), that product is just a^(t-s), and
+# Unroll the loop: h_t = b_t + a_t·b_{t-1} + a_t·a_{t-1}·b_{t-2} + ... If a does not depend on t
+# (a linear time-invariant system), the product of the a's over the last k steps is a^k, and
 #
 #     h_t = Σ_{k=0..t} a^k · b_{t-k}                a causal convolution with kernel K_k = a^k
 #
-# S4 (Gu, Goel & Ré 2021, arXiv 2111.00396) is such a system: its discretized Ā, B̄ and C are
-# fixed, so the output y_t = C·h_t is the input convolved with the kernel C·Ā^k·B̄, computed
-# once for the whole sequence and applied with an FFT in O(L log L). S4 trains without a scan.
-#
-# Mamba's selection (§3.1-3.2) makes Δ, B and C functions of the input, so a_t = exp(Δ_t·A)
-# changes with every token and the product between s and t is a different number for every pair
-# (s, t): there is no kernel to precompute. The recurrence has to be scanned.
+# S4 (Gu, Goel & Ré 2021, arXiv 2111.00396) is such a system: its output is the input convolved
+# with the fixed kernel C·Ā^k·B̄, by FFT in O(L log L). Mamba's selection (§3.1-3.2) makes Δ, B
+# and C functions of the input, so a_t = exp(Δ_t·A) changes with every token: no kernel, a scan.
 
 def scan_time_invariant(a, b, h0=None):
     """The recurrence with a constant a, as a causal convolution (FFT), for the LTI case only.
@@ -100,9 +74,7 @@ def scan_time_invariant(a, b, h0=None):
         b:  (batch, L, *rest)
         h0: (batch, *rest) or None
     Returns:
-        h:  (batch, L, *rest), equal to scan_sequential(a expanded over L, b, h0) to within about
-            eps·max|h| (the FFT's rounding is absolute: a state far below the largest one, such as
-            a^30 for a = 0.1, keeps only that absolute accuracy, not a relative one)
+        h:  (batch, L, *rest), scan_sequential's result to within about eps·max|h|
     """
     dtype = _check_time_invariant_inputs(a, b, h0)
     L = b.shape[1]
@@ -127,52 +99,43 @@ def scan_time_invariant(a, b, h0=None):
 #
 #     (a1, b1) ∘ (a2, b2) = (a2*a1, a2*b1 + b2)                               (combine rule)
 #
-# Note the order: s1∘s2 means "s1, then s2", read left to right as time runs, the opposite
-# of the mathematician's f∘g ("g first").
+# Note the order: s1∘s2 means "s1, then s2", as time runs (the mathematician's f∘g is "g first").
 
 def _combine(first, then):
     """The combine rule on pairs of tensors: the step `first`, then the step `then`."""
     (a1, b1), (a2, b2) = first, then
     return a2 * a1, torch.addcmul(b2, a2, b1)  # (a2*a1, a2*b1 + b2)
 
-# Function composition is associative, hence so is this rule: (s1∘s2)∘s3 = s1∘(s2∘s3), and both
-# sides expand to (a3*a2*a1, a3*a2*b1 + a3*b2 + b3). Associativity is all a parallel scan needs.
-# Write i:j for the steps i, i+1, ..., j-1 combined into one (a half-open range, as a Python
-# slice). The prefix 0:t+1 is one step that maps h_{-1} to h_t, and its product may be bracketed
-# however we like, for instance as a balanced tree whose levels run in parallel (sections 5 to 7).
-# Its b-part alone is h_t when h_{-1} = 0, so the scans fold a nonzero h0 into the first step,
-# b_0 <- a_0*h0 + b_0, and then scan from zero. The trees apply the rule in place, with addcmul_
-# on strided views; torch's associative_scan (appendix B) takes _combine as it is.
+# Function composition is associative, hence so is this rule: (s1∘s2)∘s3 = s1∘(s2∘s3), both
+# (a3*a2*a1, a3*a2*b1 + a3*b2 + b3). That is all a parallel scan needs. Write i:j for the steps
+# i, ..., j-1 combined into one (half-open, as a Python slice). The prefix 0:t+1 maps h_{-1} to
+# h_t, and may be bracketed as a balanced tree whose levels run in parallel (sections 5 to 7).
+# Its b-part is h_t when h_{-1} = 0, so the scans fold h0 into the first step,
+# b_0 <- a_0*h0 + b_0, and scan from zero.
 #
-# Two steps are special, and the models use both. The identity (1, 0) changes nothing,
-# (a, b)∘(1, 0) = (a, b): padding is made of identity steps (in Mamba, Δ = 0 gives a = exp(0) = 1
-# and b = 0). A reset (0, b) forgets everything before it, (a1, b1)∘(0, b2) = (0, b2): with
-# documents packed one after another, a_t = 0 at each document's first token starts it from a zero
-# state, and no gradient flows back through it (dh_t/dh_{t-1} = a_t = 0).
+# Two steps are special. The identity (1, 0) changes nothing: padding is made of it (in Mamba,
+# Δ = 0 gives a = 1, b = 0). A reset (0, b) forgets everything before it, (a1, b1)∘(0, b2) =
+# (0, b2): a_t = 0 at the first token of a packed document starts it from a zero state.
 #
-# Floating point is not exactly associative, so every bracketing rounds differently: the scans
-# agree with the loop to rounding, not bit for bit.
+# Floating point is not exactly associative: the scans agree with the loop to rounding only.
 
 
 # ------------------------------------------------------------------------------------------------
 # 4. Work and depth
 # ------------------------------------------------------------------------------------------------
-# Two numbers describe a parallel algorithm: its work (how many combines in all) and its depth
-# (how many of them must happen one after another). Every level of a tree is one vectorized op
-# over all the combines it holds, so the depth is the number of dependent ops. The loop has work
-# L and depth L. The figures below are counted by running each scan under count_combines
-# (appendix D), which records every combine (one update of a b-part); the products of a-parts
-# that ride along in the same level are not counted.
+# Work: how many combines in all. Depth: how many levels run one after another, a level being
+# one vectorized op over all its combines. The loop has work L and depth L. The figures below
+# are counted by count_combines (appendix D), one combine per update of a b-part.
 
 
 # ------------------------------------------------------------------------------------------------
 # 5. The Brent-Kung tree
 # ------------------------------------------------------------------------------------------------
-# Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one vectorized
-# multiply-add over strided views, on half as many elements as the level before. After it, the
-# right element of every pair holds the whole block it closes. Down-sweep: walk back down; the
-# left element of every pair except the first now receives the finished prefix that ends just
-# before it. For L = 8, with x_t = (a_t, b_t):
+# Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one multiply-add
+# over strided views, half the size of the level before. After it, the right element of every
+# pair holds the whole block it closes. Down-sweep: walk back down; the left element of every
+# pair except the first receives the finished prefix that ends just before it. For L = 8, with
+# x_t = (a_t, b_t):
 #
 #   t:        0      1      2      3      4      5      6      7
 #             x0     x1     x2     x3     x4     x5     x6     x7
@@ -187,32 +150,19 @@ def _combine(first, then):
 #   down 0           └──────┐      └──────┐      └──────┐
 #                          0:3           0:5           0:7
 #
-# Every element t ends holding 0:t+1, its inclusive prefix. The levels run one after another:
-# log2(L) up and log2(L) - 1 down, about 2·log2(L) levels in all, not log2(L). The work is
-# about 2L combines (exactly 2L - 2 - log2(L) for a power of two): more than the loop's L, the
-# price of the short depth.
-#
-# This is the work-efficient *inclusive* scan of Brent & Kung (1982). The textbook Blelloch
-# scan (Blelloch 1990), the "up-sweep/down-sweep" scan, has the same up-sweep but is *exclusive*:
-# it puts the identity step (1, 0) at the root and walks down swapping, so that element t ends
-# with 0:t, the prefix *before* it. One turns into the other with a shift or one combine per
-# element: inclusive_t = exclusive_t ∘ x_t. The inclusive down-sweep needs neither identity nor
-# swaps: it only finishes the left elements, since the recursion has finished the right ones.
+# Every element t ends holding 0:t+1, its inclusive prefix (Brent & Kung 1982; Blelloch's
+# exclusive scan ends with 0:t). Depth: log2(L) levels up and log2(L) - 1 down. Work: about 2L
+# combines (2L - 2 - log2(L) for a power of two), more than the loop's L: the price of the
+# short depth.
 #
 # Each level recurses on the right elements of its pairs (a view with twice the stride), so L
-# need not be a power of two: with an odd count, the last element sits out the up-sweep of that
-# level and is finished by the down-sweep like any other left element. (Padding to a power of
-# two would double the work at L = 2^k + 1.)
+# need not be a power of two: an odd last element sits out that level's up-sweep and is finished
+# by the down-sweep like any other left element.
 #
-# Memory: b is copied once into the output h, which is then scanned in place. The a-part of the
-# combined steps needs a new tensor per level, but each level is half the one below, so all of
-# them together are one more tensor of the input's size. The input a is only read.
-#
-# The same tree runs backwards in time for the backward pass (section 8). For both directions,
-# the multipliers `w` are a[:, 1:]: w holds the multiplier of every element except the first
-# one in scan order.
-#   forward:  h_t = a_t * h_{t-1} + b_t,     element t takes w[t-1] = a_t   (element 0 takes none)
-#   reverse:  g_t = a_{t+1} * g_{t+1} + c_t, element t takes w[t] = a_{t+1} (element L-1 takes none)
+# The same tree runs backwards in time for the backward pass (section 8). In both directions
+# the multipliers `w` are a[:, 1:], those of every element except the first in scan order:
+#   forward:  h_t = a_t * h_{t-1} + b_t,          element t takes w[t-1] = a_t   (0 takes none)
+#   reverse:  g_t = a_{t+1} * g_{t+1} + grad_t,   element t takes w[t] = a_{t+1} (L-1 takes none)
 
 def _brent_kung_(x, w, reverse=False):
     """Scan x in place along dim 1 and return it.
@@ -245,6 +195,7 @@ def _brent_kung_(x, w, reverse=False):
     return x
 
 
+
 # ------------------------------------------------------------------------------------------------
 # 6. The Hillis-Steele scan
 # ------------------------------------------------------------------------------------------------
@@ -259,19 +210,12 @@ def _brent_kung_(x, w, reverse=False):
 #
 # (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6).
 #
-# The trade-off, with the counts at L = 1024 (`python bench.py depth`):
-#
-#   scan                work           depth        counted at L = 1024
+#   scan                work           depth        counted at L = 1024 (`python bench.py depth`)
 #   Hillis-Steele       O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
 #   Brent-Kung (pscan)  O(L)           O(log L)     2036 combines in 19 levels: up, then down
 #   loop                L              L            1024 combines in 1024 levels
 #
-# Hillis-Steele does about log2(L)/2 times the tree's work in half its levels. Where thousands
-# of lanes would otherwise idle (one expects this of a GPU on a short sequence) the extra work
-# is free and each level saved is a launch or a barrier saved; once the work fills the machine
-# (long sequences, wide states, any CPU) it is paid in full, and Brent-Kung wins. A
-# Hillis-Steele level cannot update x in place: element t must read its partner's value from
-# before the level, so every level writes a new tensor.
+# Half the tree's levels, for log2(L)/2 times its work.
 
 def _hillis_steele(x, w, reverse=False):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -279,7 +223,7 @@ def _hillis_steele(x, w, reverse=False):
         return _hillis_steele(x.flip(1), w.flip(1)).flip(1)
     n = x.shape[1]
     m, d = w, 1  # m[:, j]: a-part of the d steps that end at element j + d
-    while d < n:
+    while d < n:  # a new tensor per level: element t reads its partner from before the level
         done = x[:, :d]  # (batch, d, *rest) these prefixes are complete
         x = torch.cat([done, torch.addcmul(x[:, d:], m, x[:, : n - d])], dim=1)  # (batch, n, *rest)
         if 2 * d < n:  # the a-parts for the next level, only where someone still needs one
@@ -292,42 +236,27 @@ def _hillis_steele(x, w, reverse=False):
 # 7. The two-level scan
 # ------------------------------------------------------------------------------------------------
 # The classic two-level scan of GPU programming, and the shape of Mamba-2's chunked SSD
-# (mamba2_minimal.py section 3): cut the sequence into chunks of T steps, small enough that a
-# chunk's states fit in fast on-chip memory.
+# (mamba2_minimal.py section 3): cut the sequence into K chunks of T steps, small enough for a
+# chunk's states to fit in fast on-chip memory.
 #
 #   1. Inside every chunk, a tree from a zero state: all chunks at once, as one batch.
-#   2. Each chunk is now one step (P_k, E_k): P_k the product of its a's, E_k its end state.
-#      Carry the state across chunks with the loop, H_k = P_k * H_{k-1} + E_k: L/T - 1 steps.
-#   3. Correct every chunk by the state carried in: h_t += (a-product from the chunk's start
-#      up to t) * H_{k-1}.
+#   2. Chunk k is now one step (prod_k, end_k), the product of its a's and its end state. The
+#      loop carries the state: carried_k = prod_k * carried_{k-1} + end_k, from carried_0 = end_0.
+#   3. Chunk k >= 1 adds carried_{k-1} times the a-product from its start up to t.
 #
 #   chunks:     [ 0 .. T-1 ][ T .. 2T-1 ][ 2T .. 3T-1 ]
-#   1. scan:     └──────┤     └──────┤     └──────┤        from zero, all chunks at once
-#   2. carry:          H_0 ────────> H_1 ────────> H_2     L/T - 1 dependent steps
-#   3. correct:               += cumprod·H_0  += cumprod·H_1
+#   1. scan:     └──────┤     └──────┤     └──────┤          from zero, all chunks at once
+#   2. carry:      carried_0 ──> carried_1 ──> carried_2     K - 1 dependent steps
+#   3. correct:              chunk 1 += cumprod·carried_0, chunk 2 += cumprod·carried_1
 #
-# Depth: one chunk's tree (about 2·log2(T)), L/T - 1 carry steps, one correction. At best (T
-# about a third of L) that is about the depth of one tree over the whole sequence (19 levels at
-# L = 1024 with T = 256 or 512), and step 3 adds work on top of the trees': chunking buys
-# locality, not depth. The counts leave out step 3's cumprod, itself a scan of T steps inside
-# every chunk, so for this scan they are lower bounds.
+# Depth: one chunk's tree (about 2·log2(T) levels), K - 1 carry steps, one correction: at best
+# 19 levels at L = 1024 (T = 256 or 512), as many as one tree. Work: step 3 adds about L - T
+# combines; at L = 1024 the count (step 3's cumprod left out) is 2895 at T = 64, 2045 at T = 2,
+# above pscan's 2036 at every T < L: chunking buys locality, not depth or work.
 #
-# The official Mamba-1 kernel (selective_scan_fwd_kernel.cuh) is the sequential variant: one
-# thread block walks the chunks in order and starts each chunk's parallel scan from the carried
-# state, so steps 1 and 3 merge and the carry is a loop inside one kernel. Its chunk is
-# kNThreads·kNItems = 128 to 2048 steps, chosen by sequence length; Mamba-2's default chunk_size
-# is 256.
-#
-# Why T is bounded. Step 3 multiplies by the product of a inside a chunk, exp(-Σ Δ_t·|A|), which
-# shrinks geometrically with T: in fp32 it leaves the normal range once Σ Δ·|A| > 87 and is 0
-# past 103. That is harmless in this scan, since it only scales the carried state, whose
-# contribution is then far below fp32's resolution anyway. It is fatal where a formulation
-# divides by it, as in h_t = p_t · Σ_{s<=t} b_s / p_s with p_t = a_0·...·a_t (a cumsum instead
-# of a scan): 1/p_s overflows to inf, and inf·0 is NaN; fp16 gets there once Σ Δ·|A| > 11.
-# Mamba-2's ssd_minimal stays in log space instead: it adds up logs (`segsum`) and exponentiates
-# the sums, so it never divides by an underflowed product (mamba2_minimal.py section 2 forms
-# those sums without cancellation). chunk_size = 64 by default keeps the product in fp32's normal
-# range for Δ·|A| up to about 1.3 per step (87 / 64).
+# Any T is exact: a chunk's a-product may underflow to 0, but it only scales a carried state
+# whose true contribution is then as small. (Dividing by it, h_t = p_t·Σ_{s<=t} b_s/p_s, would
+# give inf·0 = NaN.)
 
 def _two_level(x, w, reverse=False, chunk_size=64):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -344,8 +273,8 @@ def _two_level(x, w, reverse=False, chunk_size=64):
     _brent_kung_(xs, ms[:, 1:])  # 1. (batch*K, T, *rest) every chunk scanned from zero
     prod = torch.cumprod(ms, dim=1).view((batch, K, T) + rest)  # a-products from each chunk's start
     xs = xs.view((batch, K, T) + rest)
-    carried = [xs[:, 0, -1]]  # 2. (batch, *rest) the state leaving chunk 0
-    for k in range(1, K):
+    carried = [xs[:, 0, -1]]  # 2. (batch, *rest) carried_0 = end_0
+    for k in range(1, K):  # carried_k = prod_k * carried_{k-1} + end_k
         carried.append(torch.addcmul(xs[:, k, -1], prod[:, k, -1], carried[-1]))
     if K > 1:  # 3. chunks 1.. take the state carried in from the chunk before
         into = torch.stack(carried[:-1], dim=1).unsqueeze(2)  # (batch, K-1, 1, *rest)
@@ -365,9 +294,7 @@ def _two_level(x, w, reverse=False, chunk_size=64):
 #
 #     dLoss/db_t = g_t,     dLoss/da_t = g_t * h_{t-1},     dLoss/dh0 = a_0 * g_0
 #
-# So the backward needs only a and h (no per-level intermediates) and runs the same scan
-# backwards. Peak memory during it: h, the incoming gradient, g and the scan's scratch, which is
-# freed before dLoss/da is written.
+# So the backward needs only a and h, and runs the same scan backwards.
 
 def _backward(fn, ctx, a, h, h0, grad_h):
     """The three formulas above, with fn's scan run in reverse. -> grad_a, grad_b, grad_h0"""
@@ -390,11 +317,7 @@ def _backward(fn, ctx, a, h, h0, grad_h):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """Base: a subclass sets `_scan(x, w, reverse, *extra)`; forward and backward are shared.
-
-    It returns h in the accumulation dtype and saves (a, h, h0); the public functions cast h to
-    the input dtype outside, so that h stays an output that autograd can differentiate again.
-    """
+    """A subclass sets `_scan(x, w, reverse, *extra)`. h comes back in the accumulation dtype."""
 
     @classmethod
     def forward(cls, a, b, h0, dtype, *extra):
@@ -408,12 +331,12 @@ class _ScanFunction(torch.autograd.Function):
         a, _, h0, _, *extra = inputs
         ctx.extra = tuple(extra)
         ctx.save_for_backward(a, output, h0)
-        ctx.save_for_forward(a, output, h0)  # for the jvp of appendix A
+        ctx.save_for_forward(a, output, h0)  # appendix A
 
     @classmethod
     def backward(cls, ctx, grad_h):
         a, h, h0 = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative follows (appendix A)
+        if torch.is_grad_enabled():  # a second derivative follows: appendix A
             grads = _backward_recorded(cls, ctx, a, h, h0, grad_h)
         else:
             grads = _backward(cls, ctx, a, h, h0, grad_h)
@@ -448,32 +371,33 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
     """The tree inside chunks of `chunk_size` steps, a loop across them (section 7).
     Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     return _TwoLevel.apply(a, b, h0, dtype, chunk_size).to(a.dtype)
+
+
+scan_chunked = scan_two_level  # another name for the same function, kept for callers
 
 
 # ------------------------------------------------------------------------------------------------
 # 9. One entry point
 # ------------------------------------------------------------------------------------------------
-# scan() runs the recurrence with the backend named. "auto" runs pscan, except for forward-only
-# passes over wide steps on one CPU thread, where the loop is faster (appendix C). Hillis-Steele
-# and the two-level scan are in this file to teach and to count: on a CPU both are slower than
-# pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B). "chunked" and
-# scan_chunked are the two-level scan's former names and keep working.
+# "auto" runs pscan, or the loop for forward-only passes over wide steps on one CPU thread
+# (appendix C). Hillis-Steele and the two-level scan teach and count: on a CPU both are slower
+# than pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B).
 
-BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative", "chunked")
-scan_chunked = scan_two_level
+BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative")
 
 
 def scan(a, b, h0=None, backend="auto"):
     """Run the recurrence with the chosen backend; "auto" picks by device, width, threads and autograd."""
+    if backend == "chunked":  # another name for "two_level", the same algorithm, kept for callers
+        backend = "two_level"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         backend = choose_backend(a, b, h0)
     functions = {"sequential": scan_sequential, "pscan": pscan, "hillis_steele": scan_hillis_steele,
-                 "two_level": scan_two_level, "chunked": scan_two_level, "associative": scan_associative}
+                 "two_level": scan_two_level, "associative": scan_associative}
     return functions[backend](a, b, h0)
 
 
@@ -491,6 +415,8 @@ def scan(a, b, h0=None, backend="auto"):
 # the backward runs them through differentiable ops: the reverse scan as a forward scan of the
 # time-reversed sequence through this same autograd Function, and h as the Function's saved
 # output, whose own gradient comes back to it. A plain backward keeps the lean in-place one.
+# That is why _ScanFunction returns h in the accumulation dtype and the public functions cast it
+# outside: h stays an output that autograd can differentiate again.
 #
 # Forward mode (torch.func.jvp) is a scan too: tangents (ȧ, ḃ, ḣ0) of the inputs move the states by
 #     ḣ_t = a_t * ḣ_{t-1} + (ȧ_t * h_{t-1} + ḃ_t),    ḣ_{-1} = ḣ0,
@@ -530,10 +456,10 @@ _ScanFunction.generate_vmap_rule = True
 # B. torch's associative_scan
 # ------------------------------------------------------------------------------------------------
 # torch ships a generic parallel scan, torch._higher_order_ops.associative_scan (a prototype,
-# private API), which takes the combine rule as a Python function. Its combine_mode argument
-# (pytorch/pytorch#133012, first released in torch 2.5.0) selects "pointwise", which compiles
-# the scan into one Triton kernel and needs a CUDA or XPU device, or "generic", which runs
-# anywhere. This project asks for torch >= 2.6 (requirements.txt) and is tested on 2.13. The
+# private API), which takes the combine rule as a Python function (_combine, as it is). Its
+# combine_mode argument (pytorch/pytorch#133012) selects "pointwise", which compiles the scan
+# into one Triton kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. A
+# torch without that argument gets a RuntimeError; requirements.txt asks for torch >= 2.6. The
 # scan runs without autograd, and section 8's backward, which needs only a and h, serves it,
 # with the Brent-Kung tree running the reverse scan.
 
@@ -545,7 +471,8 @@ def _associative(x, w, reverse=False):
     except ImportError as err:
         raise RuntimeError(
             f"backend 'associative' needs torch._higher_order_ops.associative_scan with its "
-            f"combine_mode argument (see requirements.txt); this is torch {torch.__version__}"
+            f"combine_mode argument (requirements.txt: torch >= 2.6); "
+            f"this is torch {torch.__version__}"
         ) from err
     if x.numel() == 0:  # associative_scan cannot stack empty slices; there is nothing to scan
         return x
@@ -556,7 +483,7 @@ def _associative(x, w, reverse=False):
             _, h = associative_scan(_combine, (m, x), dim=1, combine_mode=mode)
         except TypeError as err:  # a torch from before combine_mode
             raise RuntimeError(f"backend 'associative' needs associative_scan's combine_mode argument "
-                               f"(torch >= 2.6, see requirements.txt); this is torch {torch.__version__}"
+                               f"(requirements.txt: torch >= 2.6); this is torch {torch.__version__}"
                                ) from err
     return h.contiguous()
 
@@ -675,3 +602,8 @@ def _check_time_invariant_inputs(a, b, h0):
         raise ValueError(f"a must have shape (batch, *rest) of b (batch, L, *rest), got {_shape(a)} "
                          f"and {_shape(b)}")
     return _check_inputs(a.unsqueeze(1).expand_as(b), b, h0)
+
+
+def _check_chunk_size(chunk_size):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")

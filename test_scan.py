@@ -186,10 +186,15 @@ def test_unknown_backend_raises():
         ps.scan(torch.zeros(1, 2), torch.zeros(1, 2), backend="cumsum")
 
 
-def test_the_two_level_scans_former_names_still_work():
+def test_chunked_is_another_name_for_the_two_level_scan():
     a, b, h0 = make_inputs(2, 100, (3,))
     for h in (ps.scan(a, b, h0, backend="chunked"), ps.scan_chunked(a, b, h0, chunk_size=8)):
         torch.testing.assert_close(h, reference(a, b, h0), rtol=1e-10, atol=1e-10)
+    with ps.count_combines() as by_alias:  # the same schedule of combines, not another scan
+        ps.scan(a, b, h0, backend="chunked")
+    with ps.count_combines() as by_name:
+        ps.scan_two_level(a, b, h0)
+    assert by_alias == by_name and len(by_alias) > 0
 
 
 def test_unknown_or_bad_chunk_size_raises():
