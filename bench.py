@@ -147,7 +147,7 @@ SCAN_BACKENDS = {
     "loop": ps.scan_sequential,
     "pscan": ps.pscan,
     "hillis_steele": ps.scan_hillis_steele,
-    "chunked": ps.scan_chunked,
+    "two_level": ps.scan_two_level,
     "associative": ps.scan_associative,
 }
 
@@ -236,7 +236,7 @@ def bench_depth(args, device):
         a, b = torch.rand(*shape, device=device), torch.randn(*shape, device=device)
         ag, bg = a.clone().requires_grad_(), b.clone().requires_grad_()
         grad = torch.randn_like(a)
-        names = ["loop", "pscan", "hillis_steele", "chunked"]
+        names = ["loop", "pscan", "hillis_steele", "two_level"]
         counts = {}
         for name in names:
             with ps.count_combines() as levels:
@@ -292,8 +292,8 @@ def selective_inputs(B, L, D, N, device="cpu", requires_grad=False):
 SELECTIVE_VARIANTS = {
     "sequential": dict(backend="sequential"),
     "pscan": dict(backend="pscan"),
-    "chunked eager": dict(backend="chunked", recompute=False),
-    "chunked eager + recompute": dict(backend="chunked", recompute=True),
+    "fused eager": dict(backend="fused", recompute=False),
+    "fused eager + recompute": dict(backend="fused", recompute=True),
     "compiled": dict(compile=True, recompute=False),
     "compiled + recompute": dict(compile=True, recompute=True),
     "compiled, loop too": dict(compile="loop", recompute=False),  # forward only, long shape only
@@ -330,7 +330,7 @@ def bench_selective(args, device, shapes=None):
             variants.pop("compiled, loop too")
         if long and device.type == "cpu":  # forward only on the CPU: recompute changes nothing
             variants.pop("compiled + recompute")
-            variants.pop("chunked eager + recompute")
+            variants.pop("fused eager + recompute")
 
         def fwd(kw):
             with torch.no_grad():

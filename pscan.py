@@ -17,6 +17,7 @@ modified.
 """
 
 import contextlib
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -390,7 +391,9 @@ BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associ
 
 def scan(a, b, h0=None, backend="auto"):
     """Run the recurrence with the chosen backend; "auto" picks by device, width, threads and autograd."""
-    if backend == "chunked":  # another name for "two_level", the same algorithm, kept for callers
+    if backend == "chunked":  # the two-level scan's earlier name; "chunked" now names Mamba-2's SSD form
+        warnings.warn('pscan.scan: backend="chunked" is deprecated, it is the two-level scan: use "two_level"',
+                      DeprecationWarning, stacklevel=2)
         backend = "two_level"
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -186,11 +186,13 @@ def test_unknown_backend_raises():
         ps.scan(torch.zeros(1, 2), torch.zeros(1, 2), backend="cumsum")
 
 
-def test_chunked_is_another_name_for_the_two_level_scan():
+def test_chunked_is_a_deprecated_name_for_the_two_level_scan():
     a, b, h0 = make_inputs(2, 100, (3,))
-    for h in (ps.scan(a, b, h0, backend="chunked"), ps.scan_chunked(a, b, h0, chunk_size=8)):
+    with pytest.warns(DeprecationWarning, match='use "two_level"'):
+        h = ps.scan(a, b, h0, backend="chunked")
+    for h in (h, ps.scan_chunked(a, b, h0, chunk_size=8)):
         torch.testing.assert_close(h, reference(a, b, h0), rtol=1e-10, atol=1e-10)
-    with ps.count_combines() as by_alias:  # the same schedule of combines, not another scan
+    with ps.count_combines() as by_alias, pytest.warns(DeprecationWarning):  # the same combines, not another scan
         ps.scan(a, b, h0, backend="chunked")
     with ps.count_combines() as by_name:
         ps.scan_two_level(a, b, h0)
