@@ -40,9 +40,6 @@ import torch.nn.functional as F
 
 from mamba_minimal import SCAN_BACKENDS, MambaConfig, MambaLM
 
-DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
-
 # ------------------------------------------------------------------------------------------------
 # Settings: defaults per device; every one can be overridden on the command line
 # ------------------------------------------------------------------------------------------------
@@ -87,8 +84,6 @@ ARCH_DEFAULTS = {
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
-ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
-              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",)}  # model flags that only some archs have
 
 # Set once at start-up: RANK and WORLD by the process setup (0 and 1 without torchrun), VOCAB_SIZE
 # from the text. Module-level, so that log, get_batch and loss_fn need no extra arguments.
@@ -98,42 +93,6 @@ RANK, WORLD, VOCAB_SIZE = 0, 1, None
 # ------------------------------------------------------------------------------------------------
 # Data
 # ------------------------------------------------------------------------------------------------
-
-def read_text(path):
-    if path is None:
-        path = DEFAULT_DATA
-        if not os.path.exists(path):
-            if RANK == 0:
-                print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                try:
-                    with urllib.request.urlopen(DATA_URL, timeout=30) as r:
-                        data = r.read()
-                except OSError as err:
-                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nDownload it by hand to "
-                             f"{path}, or pass any UTF-8 text file with --data PATH.")
-                tmp = path + ".part"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            if WORLD > 1:
-                dist.barrier()
-    if os.path.isdir(path):
-        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
-    if not os.path.isfile(path):
-        sys.exit(f"error: data file {path} does not exist")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if not raw:
-        sys.exit(f"error: data file {path} is empty")
-    if b"\0" in raw:
-        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
-                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
-
 
 def get_batch(split, step, args, device):
     """A batch of random windows. The windows are a function of (seed, rank, step) alone, so a
@@ -157,23 +116,6 @@ def windows(split, starts, block_size, device):
 # the GPT yardstick (gpt_minimal.py)
 # ------------------------------------------------------------------------------------------------
 
-def arch_classes(arch):
-    """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
-    if arch == "mamba":
-        return MambaConfig, MambaLM
-    try:
-        if arch == "mamba2":
-            from mamba2_minimal import Mamba2Config, Mamba2LM
-            return Mamba2Config, Mamba2LM
-        if arch == "mamba3":
-            from mamba3_minimal import Mamba3Config, Mamba3LM
-            return Mamba3Config, Mamba3LM
-        from gpt_minimal import GPTConfig, TinyGPT
-        return GPTConfig, TinyGPT
-    except ImportError as err:
-        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
-
-
 def model_kwargs(args, vocab_size):
     kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
     if args.arch == "mamba":
@@ -192,26 +134,6 @@ def model_kwargs(args, vocab_size):
     else:
         kw.update(n_head=args.n_head, block_size=args.block_size)
     return kw
-
-
-def build_model(arch, config):
-    """config: a dict of the architecture's config fields, from the flags or a checkpoint."""
-    config_class, model_class = arch_classes(arch)
-    try:
-        return model_class(config_class(**config))
-    except (TypeError, ValueError) as err:
-        sys.exit(f"error: cannot build the {arch} model: {err}")
-
-
-def config_dict(model):
-    return dict(vars(model.cfg))
-
-
-def set_compiled(model, value):
-    """Turn the compiled path of a Mamba or Mamba-2 model on or off (a no-op for the GPT)."""
-    for field in ("compile_scan", "compile_mixer"):  # Mamba's and Mamba-2's
-        if hasattr(model.cfg, field):
-            setattr(model.cfg, field, value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -403,11 +325,7 @@ class Run:
             p.tokens += tokens_per_step
             now = clock()  # the only clock reading of the step
             p.elapsed = elapsed_before + now - t_start
-            if args.max_time is not None and WORLD > 1:
-                # the processes' clocks differ by milliseconds: each deciding on its own clock whether
-                # an eval point or the end has passed would, near one, send them into different
-                # collectives. Rank 0's clock decides for all
-                p.elapsed = rank0_value(p.elapsed, self.device)
+            p.elapsed = rank0_clock(p.elapsed, args, self.device)  # torchrun: one clock decides for all
             first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
             if p.step % args.log_interval == 0 or first_step:
                 dt = (now - t_last) / max(1, p.step - step_at_last)  # seconds per step since the last line
@@ -476,6 +394,88 @@ def main(argv=None):
 # the command line and its checks, the device and precision, the clock and the log, atomic
 # checkpoints, exact resumption, and several processes under torchrun.
 # ================================================================================================
+
+DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
+
+
+def read_text(path):
+    """The training text: the file at path, or Tiny Shakespeare (downloaded on first use) for None."""
+    if path is None:
+        path = DEFAULT_DATA
+        if not os.path.exists(path):
+            if RANK == 0:
+                print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                try:
+                    with urllib.request.urlopen(DATA_URL, timeout=30) as r:
+                        data = r.read()
+                except OSError as err:
+                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nDownload it by hand to "
+                             f"{path}, or pass any UTF-8 text file with --data PATH.")
+                tmp = path + ".part"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)
+            if WORLD > 1:
+                dist.barrier()
+    if os.path.isdir(path):
+        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
+    if not os.path.isfile(path):
+        sys.exit(f"error: data file {path} does not exist")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
+        sys.exit(f"error: data file {path} is empty")
+    if b"\0" in raw:
+        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
+
+
+ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
+              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",)}  # model flags that only some archs have
+
+
+def arch_classes(arch):
+    """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
+    if arch == "mamba":
+        return MambaConfig, MambaLM
+    try:
+        if arch == "mamba2":
+            from mamba2_minimal import Mamba2Config, Mamba2LM
+            return Mamba2Config, Mamba2LM
+        if arch == "mamba3":
+            from mamba3_minimal import Mamba3Config, Mamba3LM
+            return Mamba3Config, Mamba3LM
+        from gpt_minimal import GPTConfig, TinyGPT
+        return GPTConfig, TinyGPT
+    except ImportError as err:
+        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
+
+
+def build_model(arch, config):
+    """config: a dict of the architecture's config fields, from the flags or a checkpoint."""
+    config_class, model_class = arch_classes(arch)
+    try:
+        return model_class(config_class(**config))
+    except (TypeError, ValueError) as err:
+        sys.exit(f"error: cannot build the {arch} model: {err}")
+
+
+def config_dict(model):
+    return dict(vars(model.cfg))
+
+
+def set_compiled(model, value):
+    """Turn the compiled path of a Mamba or Mamba-2 model on or off (a no-op for the GPT)."""
+    for field in ("compile_scan", "compile_mixer"):  # Mamba's and Mamba-2's
+        if hasattr(model.cfg, field):
+            setattr(model.cfg, field, value)
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -750,6 +750,15 @@ def rank0_value(x, device):
     t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.broadcast(t, src=0)
     return t.item()
+
+
+def rank0_clock(elapsed, args, device):
+    """A time-based run under torchrun: rank 0's elapsed time, in every process. The processes'
+    clocks differ by milliseconds: each deciding on its own clock whether an eval point or the end
+    has passed would, near one, send them into different collectives."""
+    if args.max_time is not None and WORLD > 1:
+        return rank0_value(elapsed, device)
+    return elapsed
 
 
 def mean_over_processes(loss):
