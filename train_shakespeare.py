@@ -1,7 +1,7 @@
 """
 train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
 
-    python train_shakespeare.py                              # on a CPU: 5 minutes of training, any machine
+    python train_shakespeare.py                              # on a CPU: 5 minutes of training
     python train_shakespeare.py --max-iters 1000             # a fixed number of steps instead
     python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
     python train_shakespeare.py --arch mamba2 --compile      # Mamba-2 (SSD), its mixers compiled
@@ -9,20 +9,15 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
-The first part reads like nanoGPT's train.py: settings, data, the models (--arch mamba, mamba2,
-mamba3 or gpt), the learning rate, one training step, evaluation, sampling, then the run itself (set
-up or resume, the loop, the end). The plumbing comes after it: flags and their checks, the device and
-precision, logs, atomic checkpoints, exact resumption, torchrun.
-A run is either time-based (--max-time, the CPU default of 300 s: the learning rate's decay, the
-evaluations and the stop follow the fraction of the time budget spent, so the same curve fits a
-fast and a slow machine) or iteration-based (--max-iters: bit-reproducible, the learning rate
-follows the step). Both warm up over --warmup-iters steps.
-Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
-(one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
-files there. --resume continues the exact run (its flags, the batches, the patience counter, the
-time budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
-Checkpoints are loaded with torch.load(weights_only=True), which unpickles tensors and plain
-containers only, never arbitrary objects.
+The first part reads like nanoGPT's train.py: settings, data, models, learning rate, training step,
+evaluation, sampling, the run (set up, loop, end). The plumbing after it makes a run safe: flag checks,
+device and precision, atomic checkpoints, exact resumption, torchrun.
+A run is time-based (--max-time; the CPU default is 300 s: the learning rate's decay, the evaluations
+and the stop follow the fraction of the budget spent) or iteration-based (--max-iters; the GPU default).
+--out-dir receives last.pt (for --resume), best.pt (lowest val loss) and log.jsonl (one JSON line per
+evaluation, one for the final loss). A fresh run removes an earlier run's files there. --resume
+continues the run exactly: an iteration-based run's log.jsonl equals the uninterrupted run's in
+every field but "elapsed".
 """
 
 import argparse
@@ -45,10 +40,9 @@ from mamba_minimal import SCAN_BACKENDS, MambaConfig, MambaLM
 # ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
-    # a 0.76M-parameter model for a laptop CPU, trained for 5 minutes whatever the machine's speed.
-    # d_state 4, not the official 16: at equal steps the loss is the same on this character-level
-    # task (1.658 vs 1.665 at step 900), and an eager step costs about half (python bench.py train),
-    # so 5 minutes hold twice the steps; --compile pays at N = 16 only
+    # 0.76M parameters, trained for 5 minutes. d_state 4, not the official 16: after 900 steps the
+    # val loss is about the same (1.658 against 1.665, one run each), and an eager step costs about
+    # half (python bench.py train), so 5 minutes hold twice the steps
     "cpu": dict(d_model=128, n_layer=7, d_state=4, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
                 beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
                 max_time=300.0, num_evals=10),
@@ -57,9 +51,8 @@ DEFAULTS = {
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
                  max_time=None, num_evals=20),
 }
-# max_time: None means an iteration-based default run (max_iters, eval_interval); a number of
-# seconds makes the default run time-based (--max-iters turns it back into an iteration-based one).
-# num_evals is the time-based run's number of evaluations; both kinds warm up over warmup_iters steps.
+# max_time None: the default run is iteration-based (max_iters steps, an evaluation every
+# eval_interval); a number of seconds: time-based (num_evals evaluations), unless --max-iters is given.
 DEFAULTS["mps"] = DEFAULTS["cpu"]
 
 # What the other architectures change in the defaults above, per device.
@@ -68,17 +61,15 @@ ARCH_DEFAULTS = {
     # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls. Heads of 64 channels:
     # the fastest 0.83M candidate on a CPU (python bench.py mamba2_train), as in the official models
     "mamba2": {"cpu": dict(d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3: at d_state 32 a training step costs 1.0-1.2x Mamba-2's at 64 on a CPU, with 0.78M
-    # parameters (python bench.py mamba3); the paper (arXiv 2603.15569) reports Mamba-3 at state
-    # size 64 matching Mamba-2 at 128. On a GPU, Mamba-2's choice (not measured for Mamba-3)
+    # Mamba-3: at d_state 32 (0.78M parameters) a CPU training step costs 1.0-1.2x Mamba-2's at 64
+    # (python bench.py mamba3); its paper (arXiv 2603.15569) finds state 64 matching Mamba-2's 128.
+    # On a GPU: Mamba-2's values, untested for Mamba-3
     "mamba3": {"cpu": dict(d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick (gpt_minimal.py). On a CPU: nanoGPT's README CPU run, config/train_shakespeare_char.py
-    # (lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100) with --n_layer=4 --n_head=4 --n_embd=128
-    # --block_size=64 --batch_size=12 --eval_iters=20 --dropout=0.0, but time-based like every model
-    # here, its cosine fitted to the same 300 s budget, so that a comparison is at equal time;
-    # --max-iters 2000 gives the README's own schedule (it runs --max_iters=2000 --lr_decay_iters=2000).
-    # On a GPU: that config's "baby GPT", iteration-based as the Mamba GPU defaults are, except its
-    # dropout 0.2 (ours: none) and its 200 eval batches (ours: 40).
+    # The yardstick (gpt_minimal.py). On a CPU: nanoGPT's README CPU run (config/train_shakespeare_char.py:
+    # lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100; --n_layer=4 --n_head=4 --n_embd=128 --block_size=64
+    # --batch_size=12 --eval_iters=20 --dropout=0.0), but time-based like the Mamba CPU defaults, so that
+    # runs compare at equal time; --max-iters 2000 gives its own schedule (--lr_decay_iters=2000).
+    # On a GPU: that config's "baby GPT", without its dropout 0.2 and with 40 eval batches, not 200.
     "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
@@ -141,12 +132,11 @@ def model_kwargs(args, vocab_size):
 # ------------------------------------------------------------------------------------------------
 
 def lr_at(args, step, elapsed):
-    """The learning rate of the next step: linear warmup over --warmup-iters steps, then cosine
-    decay to min_lr (as in nanoGPT). An iteration-based run measures the decay in steps; a
-    time-based run in the fraction of --max-time spent before this step. The warmup counts steps
-    in both: it is there for AdamW, whose moment estimates need a few steps, however long they
-    take (a first step that compiles for 30 s would otherwise use up a warmup measured in time)."""
-    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # the step's end
+    """The learning rate of the next step: a cosine decay from lr to min_lr, the shape of nanoGPT's
+    get_lr, over the steps from --warmup-iters to --lr-decay-iters (iteration-based run) or over the
+    fraction of --max-time spent, from 0 (time-based run). Both warm up linearly over --warmup-iters
+    steps, counted in steps: AdamW's moment estimates need steps, however long a compiling step takes."""
+    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # warmup done after the step
     if args.max_time is None:
         if step < args.warmup_iters:
             return args.lr * warm
@@ -215,14 +205,11 @@ def mean_loss(model, split, starts, args, device, autocast):
 # ------------------------------------------------------------------------------------------------
 
 def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None):
-    """Stream num_chars characters after the prompt, one O(1) recurrent step per character."""
+    """Stream num_chars characters after the prompt: one recurrent step per character for Mamba
+    (O(1) each), a forward over the last block for the GPT (no KV cache)."""
     out = out or sys.stdout
     stoi = {c: i for i, c in enumerate(chars)}
-    if not prompt:  # a text without a newline has none in its vocabulary
-        prompt = "\n" if "\n" in stoi else chars[0]
-    unknown = sorted(set(prompt) - set(stoi))
-    if unknown:
-        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
+    prompt = checked_prompt(prompt, chars)
     ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
     out.write(prompt)
     for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
@@ -246,17 +233,14 @@ class Run:
         self.log_path = os.path.join(args.out_dir, "log.jsonl")
 
         # ---------------------------------------------------------------- data
-        text = read_text(args.data)
+        text = read_text(args.data)  # --data, or Tiny Shakespeare (downloaded if missing)
         self.chars = "".join(sorted(set(text)))
         VOCAB_SIZE = len(self.chars)
         stoi = {c: i for i, c in enumerate(self.chars)}
         data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
         n_train = int(0.9 * len(data))
         self.train_data, self.val_data = data[:n_train], data[n_train:]
-        if len(self.val_data) <= args.block_size:
-            sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
-                     f"({len(self.val_data)}) must be longer than one block ({args.block_size}). "
-                     f"Use a longer text or a smaller --block-size.")
+        check_val_split(len(text), len(self.val_data), args.block_size)
         # the same windows at every evaluation, so the curve measures the model, not the sample
         g = torch.Generator().manual_seed(1234)
         n_eval = args.eval_iters * args.batch_size
@@ -265,8 +249,7 @@ class Run:
 
         # ---------------------------------------------------------------- model and optimizer
         self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
-        # fused: the update of every tensor in one kernel (for the default CPU Mamba's 72 tensors,
-        # 0.6 ms a step instead of 2.9 on a 2-core AMD EPYC)
+        # fused: one kernel updates every parameter tensor, instead of a Python loop over them
         self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
                                            betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
         self.autocast, self.scaler = precision(device, args.dtype)
@@ -284,9 +267,7 @@ class Run:
         args, p = self.args, self.p
         train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
         val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
-        if not math.isfinite(val_loss):
-            sys.exit(f"error: the val loss is {val_loss} at step {p.step}: the run diverged; "
-                     f"try a lower --lr (now {args.lr:g})")
+        exit_if_diverged(val_loss, p.step, args)
         improved = val_loss < p.best_val
         p.best_val = min(p.best_val, val_loss)
         p.bad_evals = 0 if improved else p.bad_evals + 1
@@ -324,9 +305,8 @@ class Run:
             p.step += 1
             p.tokens += tokens_per_step
             now = clock()  # the only clock reading of the step
-            p.elapsed = elapsed_before + now - t_start
-            p.elapsed = rank0_clock(p.elapsed, args, self.device)  # torchrun: one clock decides for all
-            first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
+            p.elapsed = rank0_clock(elapsed_before + now - t_start, args, self.device)  # torchrun: one clock for all
+            first_step = p.step == step_at_start + 1  # holds start-up costs and any compiling: no rate from it
             if p.step % args.log_interval == 0 or first_step:
                 dt = (now - t_last) / max(1, p.step - step_at_last)  # seconds per step since the last line
                 t_last, step_at_last = now, p.step
@@ -348,9 +328,9 @@ class Run:
         args = self.args
         if WORLD > 1:
             dist.barrier()  # rank 0 has finished writing best.pt
-        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
+        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # a fresh run removed older ones
         starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
-        # eager, even after --compile-model: its last, smaller batch would cost a compile of its own
+        # eager, even after --compile: the last, smaller batch would cost a compile of its own
         set_compiled(self.raw_model, False)
         full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
         log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
@@ -743,6 +723,30 @@ def check_out_dir(out_dir):
         os.remove(probe)
     except OSError as err:
         sys.exit(f"error: cannot write to --out-dir {out_dir} ({err.strerror or err})")
+
+
+def check_val_split(n_chars, n_val, block_size):
+    if n_val <= block_size:
+        sys.exit(f"error: the text has {n_chars} characters; its 10% validation split "
+                 f"({n_val}) must be longer than one block ({block_size}). "
+                 f"Use a longer text or a smaller --block-size.")
+
+
+def exit_if_diverged(val_loss, step, args):
+    if not math.isfinite(val_loss):
+        sys.exit(f"error: the val loss is {val_loss} at step {step}: the run diverged; "
+                 f"try a lower --lr (now {args.lr:g})")
+
+
+def checked_prompt(prompt, chars):
+    """The prompt, or by default a newline (a text without one has none in its vocabulary: then its
+    first character). A character outside the vocabulary is a ValueError."""
+    if not prompt:
+        prompt = "\n" if "\n" in chars else chars[0]
+    unknown = sorted(set(prompt) - set(chars))
+    if unknown:
+        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
+    return prompt
 
 
 def rank0_value(x, device):
