@@ -9,15 +9,13 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
-The first part reads like nanoGPT's train.py: settings, data, models, learning rate, training step,
-evaluation, sampling, the run (set up, loop, end). The plumbing after it makes a run safe: flag checks,
-device and precision, atomic checkpoints, exact resumption, torchrun.
-A run is time-based (--max-time; the CPU default is 300 s: the learning rate's decay, the evaluations
-and the stop follow the fraction of the budget spent) or iteration-based (--max-iters; the GPU default).
---out-dir receives last.pt (for --resume), best.pt (lowest val loss) and log.jsonl (one JSON line per
-evaluation, one for the final loss). A fresh run removes an earlier run's files there. --resume
-continues the run exactly: an iteration-based run's log.jsonl equals the uninterrupted run's in
-every field but "elapsed".
+Read top to bottom like nanoGPT's train.py: settings, data, models, learning rate, training step,
+evaluation, sampling, the run; then the plumbing that makes a run safe to use and to resume.
+A run is time-based (--max-time; the CPU default, 300 s: the learning rate's decay, the evaluations and
+the stop follow the fraction of the budget spent) or iteration-based (--max-iters; the GPU default).
+--out-dir receives last.pt (for --resume), best.pt (lowest val loss) and log.jsonl (a JSON line per
+evaluation, one for the final loss); a fresh run removes an earlier run's files there. --resume continues
+a run exactly: an iteration-based run's log.jsonl equals the uninterrupted run's but for "elapsed".
 """
 
 import argparse
@@ -55,7 +53,7 @@ DEFAULTS = {
 # eval_interval); a number of seconds: time-based (num_evals evaluations), unless --max-iters is given.
 DEFAULTS["mps"] = DEFAULTS["cpu"]
 
-# What the other architectures change in the defaults above, per device.
+# What each other architecture changes in DEFAULTS, per device.
 ARCH_DEFAULTS = {
     "mamba": {},
     # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls. Heads of 64 channels:
@@ -76,8 +74,7 @@ ARCH_DEFAULTS = {
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
 
-# Set once at start-up: RANK and WORLD by the process setup (0 and 1 without torchrun), VOCAB_SIZE
-# from the text. Module-level, so that log, get_batch and loss_fn need no extra arguments.
+# Set at start-up (RANK and WORLD by torchrun), read by log, get_batch and loss_fn
 RANK, WORLD, VOCAB_SIZE = 0, 1, None
 
 
@@ -86,8 +83,8 @@ RANK, WORLD, VOCAB_SIZE = 0, 1, None
 # ------------------------------------------------------------------------------------------------
 
 def get_batch(split, step, args, device):
-    """A batch of random windows. The windows are a function of (seed, rank, step) alone, so a
-    resumed run sees exactly the batches the uninterrupted run would have seen."""
+    """Random windows, a function of (seed, rank, step) alone: a resumed run sees the batches the
+    uninterrupted run would have seen."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + RANK * 10_007 + step)
     ix = torch.randint(len(split) - args.block_size, (args.batch_size,), generator=g)
     return windows(split, ix, args.block_size, device)
@@ -95,8 +92,8 @@ def get_batch(split, step, args, device):
 
 def windows(split, starts, block_size, device):
     starts = starts.tolist()
-    x = torch.stack([split[i:i + block_size] for i in starts])  # (B, T)
-    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (B, T)
+    x = torch.stack([split[i:i + block_size] for i in starts])  # (b, L), L = block_size
+    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (b, L): the next characters
     if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: the loop goes on
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -118,7 +115,7 @@ def model_kwargs(args, vocab_size):
         kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
                   compile_mixer=args.compile)
     elif args.arch == "mamba3":
-        # a block is one chunk (SISO); with MIMO the official recommendation, 64 / rank
+        # Mamba-2's chunk length (SISO); MIMO divides it by the rank
         rank = args.mimo_rank or 1
         kw.update(d_state=args.d_state, headdim=args.headdim, is_mimo=args.mimo_rank is not None,
                   mimo_rank=rank, chunk_size=max(1, min(64, args.block_size) // rank))
@@ -128,14 +125,14 @@ def model_kwargs(args, vocab_size):
 
 
 # ------------------------------------------------------------------------------------------------
-# The learning rate: warmup, then a cosine decay over the steps or over the time budget
+# The learning rate
 # ------------------------------------------------------------------------------------------------
 
 def lr_at(args, step, elapsed):
-    """The learning rate of the next step: a cosine decay from lr to min_lr, the shape of nanoGPT's
-    get_lr, over the steps from --warmup-iters to --lr-decay-iters (iteration-based run) or over the
-    fraction of --max-time spent, from 0 (time-based run). Both warm up linearly over --warmup-iters
-    steps, counted in steps: AdamW's moment estimates need steps, however long a compiling step takes."""
+    """The learning rate of the next step: nanoGPT's get_lr, a cosine from lr to min_lr over the
+    steps from --warmup-iters to --lr-decay-iters; a time-based run's cosine spans the fraction of
+    --max-time spent instead, from 0. Both warm up linearly over --warmup-iters steps: AdamW's
+    moment estimates need steps, however long a compiling first step takes."""
     warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # warmup done after the step
     if args.max_time is None:
         if step < args.warmup_iters:
@@ -179,8 +176,8 @@ def train_step(model, optimizer, x, y, args, autocast, scaler=None):
 
 def loss_fn(model, x, y, autocast):
     with autocast:
-        logits = model(x)  # (B, T, padded vocab)
-    logits = logits[..., :VOCAB_SIZE].float()  # the padded rows are not characters
+        logits = model(x)  # (b, L, padded vocab)
+    logits = logits[..., :VOCAB_SIZE].float()  # entries past the vocabulary are padding
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
@@ -359,8 +356,7 @@ def main(argv=None):
         except ValueError as err:
             sys.exit(f"error: {err}")
     else:
-        if RANK == 0:
-            check_out_dir(args.out_dir)
+        check_out_dir(args.out_dir)
         run = Run(args, device, ddp, ckpt)
         run.train()
         run.finish()
@@ -712,7 +708,10 @@ def stray_temporaries(out_dir):
 
 
 def check_out_dir(out_dir):
-    """Fail now, not at the first evaluation minutes from now, if the checkpoints cannot be written."""
+    """Fail now, not at the first evaluation minutes from now, if the checkpoints cannot be written
+    (checked by rank 0, the process that writes them)."""
+    if RANK != 0:
+        return
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         sys.exit(f"error: --out-dir {out_dir} is a file; expected a directory (it is created if missing)")
     try:
