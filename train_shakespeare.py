@@ -12,7 +12,7 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
 Read top to bottom like nanoGPT's train.py: settings, data, models, learning rate, training step,
 evaluation, sampling, the run; then the plumbing that makes a run safe to use and to resume.
 A run is time-based (--max-time; the CPU default, 300 s: the learning rate's decay, the evaluations and
-the stop follow the fraction of the budget spent) or iteration-based (--max-iters; the GPU default).
+the stop follow the fraction of the budget spent) or iteration-based (--max-iters; the CUDA default).
 --out-dir receives last.pt (for --resume), best.pt (lowest val loss) and log.jsonl (a JSON line per
 evaluation, one for the final loss); a fresh run removes an earlier run's files there. --resume continues
 a run exactly: an iteration-based run's log.jsonl equals the uninterrupted run's but for "elapsed".
@@ -44,7 +44,7 @@ DEFAULTS = {
     "cpu": dict(d_model=128, n_layer=7, d_state=4, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
                 beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
                 max_time=300.0, num_evals=10),
-    # 5.8M parameters, the width and depth of nanoGPT's baby GPT (10.7M: attention plus MLP) on a GPU
+    # 5.8M parameters, the width and depth of nanoGPT's baby GPT (10.65M as it counts: attention plus MLP)
     "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
                  max_time=None, num_evals=20),
@@ -66,7 +66,7 @@ ARCH_DEFAULTS = {
     # The yardstick (gpt_minimal.py). On a CPU: nanoGPT's README CPU run (config/train_shakespeare_char.py:
     # lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100; --n_layer=4 --n_head=4 --n_embd=128 --block_size=64
     # --batch_size=12 --eval_iters=20 --dropout=0.0), but time-based like the Mamba CPU defaults, so that
-    # runs compare at equal time; --max-iters 2000 gives its own schedule (--lr_decay_iters=2000).
+    # runs compare at equal time; --max-iters 2000 gives its learning-rate schedule (--lr_decay_iters=2000).
     # On a GPU: that config's "baby GPT", without its dropout 0.2 and with 40 eval batches, not 200.
     "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
@@ -110,8 +110,7 @@ def model_kwargs(args, vocab_size):
         kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
                   recompute=args.recompute)
     elif args.arch == "mamba2":
-        # a training block is then one chunk or a few: the official chunk of 256 would pad a
-        # 64-character block four times over
+        # chunks of 64: the official 256 would pad a 64-character block four times over
         kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
                   compile_mixer=args.compile)
     elif args.arch == "mamba3":
@@ -129,7 +128,7 @@ def model_kwargs(args, vocab_size):
 # ------------------------------------------------------------------------------------------------
 
 def lr_at(args, step, elapsed):
-    """The learning rate of the next step: nanoGPT's get_lr, a cosine from lr to min_lr over the
+    """The learning rate of the next step: nanoGPT's get_lr shape, a cosine from lr to min_lr over the
     steps from --warmup-iters to --lr-decay-iters; a time-based run's cosine spans the fraction of
     --max-time spent instead, from 0. Both warm up linearly over --warmup-iters steps: AdamW's
     moment estimates need steps, however long a compiling first step takes."""
@@ -147,8 +146,15 @@ def lr_at(args, step, elapsed):
 
 
 # ------------------------------------------------------------------------------------------------
-# One training step
+# The loss and one training step
 # ------------------------------------------------------------------------------------------------
+
+def loss_fn(model, x, y, autocast):
+    with autocast:
+        logits = model(x)  # (b, L, padded vocab)
+    logits = logits[..., :VOCAB_SIZE].float()  # entries past the vocabulary are padding
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
 
 def train_step(model, optimizer, x, y, args, autocast, scaler=None):
     """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
@@ -173,13 +179,6 @@ def train_step(model, optimizer, x, y, args, autocast, scaler=None):
 # ------------------------------------------------------------------------------------------------
 # Evaluation
 # ------------------------------------------------------------------------------------------------
-
-def loss_fn(model, x, y, autocast):
-    with autocast:
-        logits = model(x)  # (b, L, padded vocab)
-    logits = logits[..., :VOCAB_SIZE].float()  # entries past the vocabulary are padding
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
 
 @torch.no_grad()
 def mean_loss(model, split, starts, args, device, autocast):
@@ -246,7 +245,7 @@ class Run:
 
         # ---------------------------------------------------------------- model and optimizer
         self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
-        # fused: one kernel updates every parameter tensor, instead of a Python loop over them
+        # fused: AdamW's whole update in one kernel over all tensors, not op by op
         self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
                                            betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
         self.autocast, self.scaler = precision(device, args.dtype)
@@ -268,7 +267,7 @@ class Run:
         improved = val_loss < p.best_val
         p.best_val = min(p.best_val, val_loss)
         p.bad_evals = 0 if improved else p.bad_evals + 1
-        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # saved with the run's end
+        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # in last.pt: stays stopped
         log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
             f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
         if RANK == 0:
@@ -325,7 +324,7 @@ class Run:
         args = self.args
         if WORLD > 1:
             dist.barrier()  # rank 0 has finished writing best.pt
-        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # a fresh run removed older ones
+        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's (see start_or_resume)
         starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
         # eager, even after --compile: the last, smaller batch would cost a compile of its own
         set_compiled(self.raw_model, False)
@@ -367,8 +366,9 @@ def main(argv=None):
 
 # ================================================================================================
 # Plumbing. The training script ends above; what follows makes a run safe to use and to resume:
-# the command line and its checks, the device and precision, the clock and the log, atomic
-# checkpoints, exact resumption, and several processes under torchrun.
+# reading and checking the text, building a model by name, the command line and its checks, the
+# device and precision, the clock and the log, atomic checkpoints, exact resumption, and several
+# processes under torchrun.
 # ================================================================================================
 
 DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
