@@ -1,7 +1,7 @@
 """
 train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
 
-    python train_shakespeare.py                              # on a CPU: 5 minutes of training, any machine
+    python train_shakespeare.py                              # on a CPU: 5 minutes of training
     python train_shakespeare.py --max-iters 1000             # a fixed number of steps instead
     python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
     python train_shakespeare.py --arch mamba2 --compile      # Mamba-2 (SSD), its mixers compiled
@@ -9,20 +9,13 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
 
-The first part reads like nanoGPT's train.py: settings, data, the models (--arch mamba, mamba2,
-mamba3 or gpt), the learning rate, one training step, evaluation, sampling, then the run itself (set
-up or resume, the loop, the end). The plumbing comes after it: flags and their checks, the device and
-precision, logs, atomic checkpoints, exact resumption, torchrun.
-A run is either time-based (--max-time, the CPU default of 300 s: the learning rate's decay, the
-evaluations and the stop follow the fraction of the time budget spent, so the same curve fits a
-fast and a slow machine) or iteration-based (--max-iters: bit-reproducible, the learning rate
-follows the step). Both warm up over --warmup-iters steps.
-Everything lands in --out-dir: last.pt (for --resume), best.pt (lowest val loss) and log.jsonl
-(one line per evaluation, to plot and compare runs). A fresh run first removes an earlier run's
-files there. --resume continues the exact run (its flags, the batches, the patience counter, the
-time budget): its log.jsonl equals the uninterrupted run's in every field but the wall-clock "elapsed".
-Checkpoints are loaded with torch.load(weights_only=True), which unpickles tensors and plain
-containers only, never arbitrary objects.
+Read top to bottom like nanoGPT's train.py: settings, data, models, learning rate, training step,
+evaluation, sampling, the run; then the plumbing that makes a run safe to use and to resume.
+A run is time-based (--max-time; the CPU default, 300 s: the learning rate's decay, the evaluations and
+the stop follow the fraction of the budget spent) or iteration-based (--max-iters; the CUDA default).
+--out-dir receives last.pt (for --resume), best.pt (lowest val loss) and log.jsonl (a JSON line per
+evaluation, one for the final loss); a fresh run removes an earlier run's files there. --resume continues
+a run exactly: an iteration-based run's log.jsonl equals the uninterrupted run's but for "elapsed".
 """
 
 import argparse
@@ -40,58 +33,48 @@ import torch.nn.functional as F
 
 from mamba_minimal import SCAN_BACKENDS, MambaConfig, MambaLM
 
-DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
-
 # ------------------------------------------------------------------------------------------------
 # Settings: defaults per device; every one can be overridden on the command line
 # ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
-    # a 0.76M-parameter model for a laptop CPU, trained for 5 minutes whatever the machine's speed.
-    # d_state 4, not the official 16: at equal steps the loss is the same on this character-level
-    # task (1.658 vs 1.665 at step 900), and an eager step costs about half (python bench.py train),
-    # so 5 minutes hold twice the steps; --compile pays at N = 16 only
+    # 0.76M parameters, trained for 5 minutes. d_state 4, not the official 16: after 900 steps the
+    # val loss is about the same (1.658 against 1.665, one run each), and an eager step costs about
+    # half (python bench.py train), so 5 minutes hold twice the steps
     "cpu": dict(d_model=128, n_layer=7, d_state=4, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
                 beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
                 max_time=300.0, num_evals=10),
-    # 5.8M parameters, the width and depth of nanoGPT's baby GPT (10.7M: attention plus MLP) on a GPU
+    # 5.8M parameters, the width and depth of nanoGPT's baby GPT (10.65M as it counts: attention plus MLP)
     "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
                  max_time=None, num_evals=20),
 }
-# max_time: None means an iteration-based default run (max_iters, eval_interval); a number of
-# seconds makes the default run time-based (--max-iters turns it back into an iteration-based one).
-# num_evals is the time-based run's number of evaluations; both kinds warm up over warmup_iters steps.
+# max_time None: the default run is iteration-based (max_iters steps, an evaluation every
+# eval_interval); a number of seconds: time-based (num_evals evaluations), unless --max-iters is given.
 DEFAULTS["mps"] = DEFAULTS["cpu"]
 
-# What the other architectures change in the defaults above, per device.
+# What each other architecture changes in DEFAULTS, per device.
 ARCH_DEFAULTS = {
     "mamba": {},
     # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls. Heads of 64 channels:
     # the fastest 0.83M candidate on a CPU (python bench.py mamba2_train), as in the official models
     "mamba2": {"cpu": dict(d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3: at d_state 32 a training step costs 1.0-1.2x Mamba-2's at 64 on a CPU, with 0.78M
-    # parameters (python bench.py mamba3); the paper (arXiv 2603.15569) reports Mamba-3 at state
-    # size 64 matching Mamba-2 at 128. On a GPU, Mamba-2's choice (not measured for Mamba-3)
+    # Mamba-3: at d_state 32 (0.78M parameters) a CPU training step costs 1.0-1.2x Mamba-2's at 64
+    # (python bench.py mamba3); its paper (arXiv 2603.15569) finds state 64 matching Mamba-2's 128.
+    # On a GPU: Mamba-2's values, untested for Mamba-3
     "mamba3": {"cpu": dict(d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick (gpt_minimal.py). On a CPU: nanoGPT's README CPU run, config/train_shakespeare_char.py
-    # (lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100) with --n_layer=4 --n_head=4 --n_embd=128
-    # --block_size=64 --batch_size=12 --eval_iters=20 --dropout=0.0, but time-based like every model
-    # here, its cosine fitted to the same 300 s budget, so that a comparison is at equal time;
-    # --max-iters 2000 gives the README's own schedule (it runs --max_iters=2000 --lr_decay_iters=2000).
-    # On a GPU: that config's "baby GPT", iteration-based as the Mamba GPU defaults are, except its
-    # dropout 0.2 (ours: none) and its 200 eval batches (ours: 40).
+    # The yardstick (gpt_minimal.py). On a CPU: nanoGPT's README CPU run (config/train_shakespeare_char.py:
+    # lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100; --n_layer=4 --n_head=4 --n_embd=128 --block_size=64
+    # --batch_size=12 --eval_iters=20 --dropout=0.0), but time-based like the Mamba CPU defaults, so that
+    # runs compare at equal time; --max-iters 2000 gives its learning-rate schedule (--lr_decay_iters=2000).
+    # On a GPU: that config's "baby GPT", without its dropout 0.2 and with 40 eval batches, not 200.
     "gpt": {"cpu": dict(d_model=128, n_layer=4, n_head=4, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
-ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
-              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",)}  # model flags that only some archs have
 
-# Set once at start-up: RANK and WORLD by the process setup (0 and 1 without torchrun), VOCAB_SIZE
-# from the text. Module-level, so that log, get_batch and loss_fn need no extra arguments.
+# Set at start-up (RANK and WORLD by torchrun), read by log, get_batch and loss_fn
 RANK, WORLD, VOCAB_SIZE = 0, 1, None
 
 
@@ -99,7 +82,301 @@ RANK, WORLD, VOCAB_SIZE = 0, 1, None
 # Data
 # ------------------------------------------------------------------------------------------------
 
+def get_batch(split, step, args, device):
+    """Random windows, a function of (seed, rank, step) alone: a resumed run sees the batches the
+    uninterrupted run would have seen."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + RANK * 10_007 + step)
+    ix = torch.randint(len(split) - args.block_size, (args.batch_size,), generator=g)
+    return windows(split, ix, args.block_size, device)
+
+
+def windows(split, starts, block_size, device):
+    starts = starts.tolist()
+    x = torch.stack([split[i:i + block_size] for i in starts])  # (b, L), L = block_size
+    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (b, L): the next characters
+    if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: the loop goes on
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), Mamba-3 (mamba3_minimal.py),
+# the GPT yardstick (gpt_minimal.py)
+# ------------------------------------------------------------------------------------------------
+
+def model_kwargs(args, vocab_size):
+    kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
+    if args.arch == "mamba":
+        kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
+                  recompute=args.recompute)
+    elif args.arch == "mamba2":
+        # chunks of 64: the official 256 would pad a 64-character block four times over
+        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
+                  compile_mixer=args.compile)
+    elif args.arch == "mamba3":
+        # Mamba-2's chunk length (SISO); MIMO divides it by the rank
+        rank = args.mimo_rank or 1
+        kw.update(d_state=args.d_state, headdim=args.headdim, is_mimo=args.mimo_rank is not None,
+                  mimo_rank=rank, chunk_size=max(1, min(64, args.block_size) // rank))
+    else:
+        kw.update(n_head=args.n_head, block_size=args.block_size)
+    return kw
+
+
+# ------------------------------------------------------------------------------------------------
+# The learning rate
+# ------------------------------------------------------------------------------------------------
+
+def lr_at(args, step, elapsed):
+    """The learning rate of the next step: nanoGPT's get_lr shape, a cosine from lr to min_lr over the
+    steps from --warmup-iters to --lr-decay-iters; a time-based run's cosine spans the fraction of
+    --max-time spent instead, from 0. Both warm up linearly over --warmup-iters steps: AdamW's
+    moment estimates need steps, however long a compiling first step takes."""
+    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # warmup done after the step
+    if args.max_time is None:
+        if step < args.warmup_iters:
+            return args.lr * warm
+        progress, start, end = step, args.warmup_iters, args.lr_decay_iters
+    else:
+        progress, start, end = elapsed / args.max_time, 0.0, 1.0
+    if progress >= end:
+        return args.min_lr * warm
+    ratio = (progress - start) / (end - start)  # 0 -> 1 over the decay
+    return warm * (args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr))
+
+
+# ------------------------------------------------------------------------------------------------
+# The loss and one training step
+# ------------------------------------------------------------------------------------------------
+
+def loss_fn(model, x, y, autocast):
+    with autocast:
+        logits = model(x)  # (b, L, padded vocab)
+    logits = logits[..., :VOCAB_SIZE].float()  # entries past the vocabulary are padding
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def train_step(model, optimizer, x, y, args, autocast, scaler=None):
+    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
+    scaler: --dtype fp16's GradScaler (see precision), or None."""
+    loss = loss_fn(model, x, y, autocast)
+    optimizer.zero_grad(set_to_none=True)
+    if scaler is None:
+        loss.backward()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # the true gradients, for clipping
+    if args.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)  # skipped if a gradient overflowed
+        scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation
+# ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def mean_loss(model, split, starts, args, device, autocast):
+    """Mean loss over fixed windows, split across processes and averaged."""
+    model.eval()
+    mine = starts[RANK::WORLD]
+    loss_sum = torch.zeros((), device=device)
+    for i in range(0, len(mine), args.batch_size):
+        x, y = windows(split, mine[i:i + args.batch_size], args.block_size, device)
+        loss_sum += loss_fn(model, x, y, autocast) * len(x)
+    total = torch.stack([loss_sum, torch.tensor(float(len(mine)), device=device)])  # (sum of losses, count)
+    if WORLD > 1:
+        dist.all_reduce(total)
+    model.train()
+    return (total[0] / total[1]).item()
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling
+# ------------------------------------------------------------------------------------------------
+
+def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None):
+    """Stream num_chars characters after the prompt: one recurrent step per character for Mamba
+    (O(1) each), a forward over the last block for the GPT (no KV cache)."""
+    out = out or sys.stdout
+    stoi = {c: i for i, c in enumerate(chars)}
+    prompt = checked_prompt(prompt, chars)
+    ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
+    out.write(prompt)
+    for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
+        out.write(chars[token.item()])
+        out.flush()
+    out.write("\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole run
+# ------------------------------------------------------------------------------------------------
+
+class Run:
+    """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
+
+    def __init__(self, args, device, ddp, ckpt=None):
+        global VOCAB_SIZE
+        self.args, self.device, self.ddp = args, device, ddp
+        self.last_path = os.path.join(args.out_dir, "last.pt")
+        self.best_path = os.path.join(args.out_dir, "best.pt")
+        self.log_path = os.path.join(args.out_dir, "log.jsonl")
+
+        # ---------------------------------------------------------------- data
+        text = read_text(args.data)  # --data, or Tiny Shakespeare (downloaded if missing)
+        self.chars = "".join(sorted(set(text)))
+        VOCAB_SIZE = len(self.chars)
+        stoi = {c: i for i, c in enumerate(self.chars)}
+        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+        n_train = int(0.9 * len(data))
+        self.train_data, self.val_data = data[:n_train], data[n_train:]
+        check_val_split(len(text), len(self.val_data), args.block_size)
+        # the same windows at every evaluation, so the curve measures the model, not the sample
+        g = torch.Generator().manual_seed(1234)
+        n_eval = args.eval_iters * args.batch_size
+        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
+        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
+
+        # ---------------------------------------------------------------- model and optimizer
+        self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
+        # fused: AdamW's whole update in one kernel over all tensors, not op by op
+        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
+                                           betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
+        self.autocast, self.scaler = precision(device, args.dtype)
+
+        # ---------------------------------------------------------------- fresh start or resume
+        self.p = Progress()  # step, elapsed time, best val loss, ...: what a checkpoint saves
+        start_or_resume(self, ckpt)
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
+            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
+            f"{torch.get_num_threads()} thread(s), {args.dtype}")
+        self.model = wrap(self.raw_model, args.compile_model, ddp, device)
+
+    def evaluate(self):
+        args, p = self.args, self.p
+        train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
+        val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
+        exit_if_diverged(val_loss, p.step, args)
+        improved = val_loss < p.best_val
+        p.best_val = min(p.best_val, val_loss)
+        p.bad_evals = 0 if improved else p.bad_evals + 1
+        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # in last.pt: stays stopped
+        log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
+            f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
+        if RANK == 0:
+            append_log(self, train_loss=train_loss, val_loss=val_loss)
+            if improved:
+                save_checkpoint(self, self.best_path)
+            save_checkpoint(self, self.last_path)
+
+    # -------------------------------------------------------------------- the loop
+    def train(self):
+        args, p = self.args, self.p
+        tokens_per_step = args.batch_size * args.block_size * WORLD
+        if args.compile or args.compile_model:
+            log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
+        self.model.train()
+        t_start = t_last = clock()
+        step_at_last = step_at_start = p.step
+        elapsed_before = p.elapsed
+        if p.stopped_early:
+            log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
+        while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
+                                       else p.elapsed < args.max_time):
+            lr = lr_at(args, p.step, p.elapsed)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            x, y = get_batch(self.train_data, p.step, args, self.device)
+            try:
+                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
+            except Exception as err:  # the compiler runs at the first step: is there a working one?
+                loss = train_eagerly_after(err, self, x, y, first_step=p.step == step_at_start)
+            p.step += 1
+            p.tokens += tokens_per_step
+            now = clock()  # the only clock reading of the step
+            p.elapsed = rank0_clock(elapsed_before + now - t_start, args, self.device)  # torchrun: one clock for all
+            first_step = p.step == step_at_start + 1  # holds start-up costs and any compiling: no rate from it
+            if p.step % args.log_interval == 0 or first_step:
+                dt = (now - t_last) / max(1, p.step - step_at_last)  # seconds per step since the last line
+                t_last, step_at_last = now, p.step
+                log_progress(args, p, loss, lr, dt, tokens_per_step / dt, first_step)
+            if args.max_time is None:
+                due = p.step % args.eval_interval == 0 or p.step == args.max_iters
+            else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
+                points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
+                due = points > p.evals_done or p.elapsed >= args.max_time
+                p.evals_done = points
+            if due:
+                self.evaluate()
+                if p.stopped_early:
+                    log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
+
+    # -------------------------------------------------------------------- the end
+    def finish(self):
+        """The best checkpoint's loss on the whole val split, and a sample from it."""
+        args = self.args
+        if WORLD > 1:
+            dist.barrier()  # rank 0 has finished writing best.pt
+        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's (see start_or_resume)
+        starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
+        # eager, even after --compile: the last, smaller batch would cost a compile of its own
+        set_compiled(self.raw_model, False)
+        full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
+        log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
+            f"loss {full_val:.4f} (best checkpoint)")
+        if self.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
+            log(f"peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB "
+                f"(torch.cuda.max_memory_allocated, --dtype {args.dtype})")
+        if RANK == 0:
+            append_log(self, full_val_loss=full_val)
+            if not args.no_sample:
+                print("-" * 80)
+                sample(self.raw_model.eval(), self.chars, None, 300, args.temperature, args.top_k, self.device)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ddp, device = start_processes(args)
+    ckpt = read_last_checkpoint(args) if args.resume and not args.sample else None
+    fill_defaults(args, device)
+    torch.manual_seed(args.seed)
+    if args.sample:
+        model, sampled = load_for_sampling(args, device)
+        try:
+            if RANK == 0:
+                sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
+        except ValueError as err:
+            sys.exit(f"error: {err}")
+    else:
+        check_out_dir(args.out_dir)
+        run = Run(args, device, ddp, ckpt)
+        run.train()
+        run.finish()
+    if ddp:
+        dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
+        dist.destroy_process_group()
+
+
+# ================================================================================================
+# Plumbing. The training script ends above; what follows makes a run safe to use and to resume:
+# reading and checking the text, building a model by name, the command line and its checks, the
+# device and precision, the clock and the log, atomic checkpoints, exact resumption, and several
+# processes under torchrun.
+# ================================================================================================
+
+DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
+
+
 def read_text(path):
+    """The training text: the file at path, or Tiny Shakespeare (downloaded on first use) for None."""
     if path is None:
         path = DEFAULT_DATA
         if not os.path.exists(path):
@@ -135,27 +412,9 @@ def read_text(path):
                  f"{err.start}); convert it, e.g. with iconv -t UTF-8")
 
 
-def get_batch(split, step, args, device):
-    """A batch of random windows. The windows are a function of (seed, rank, step) alone, so a
-    resumed run sees exactly the batches the uninterrupted run would have seen."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + RANK * 10_007 + step)
-    ix = torch.randint(len(split) - args.block_size, (args.batch_size,), generator=g)
-    return windows(split, ix, args.block_size, device)
+ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
+              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",)}  # model flags that only some archs have
 
-
-def windows(split, starts, block_size, device):
-    starts = starts.tolist()
-    x = torch.stack([split[i:i + block_size] for i in starts])  # (B, T)
-    y = torch.stack([split[i + 1:i + 1 + block_size] for i in starts])  # (B, T)
-    if torch.device(device).type == "cuda":  # from pinned memory the copy is asynchronous: the loop goes on
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
-# ------------------------------------------------------------------------------------------------
-# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), Mamba-3 (mamba3_minimal.py),
-# the GPT yardstick (gpt_minimal.py)
-# ------------------------------------------------------------------------------------------------
 
 def arch_classes(arch):
     """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
@@ -172,26 +431,6 @@ def arch_classes(arch):
         return GPTConfig, TinyGPT
     except ImportError as err:
         sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
-
-
-def model_kwargs(args, vocab_size):
-    kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
-    if args.arch == "mamba":
-        kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
-                  recompute=args.recompute)
-    elif args.arch == "mamba2":
-        # a training block is then one chunk or a few: the official chunk of 256 would pad a
-        # 64-character block four times over
-        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
-                  compile_mixer=args.compile)
-    elif args.arch == "mamba3":
-        # a block is one chunk (SISO); with MIMO the official recommendation, 64 / rank
-        rank = args.mimo_rank or 1
-        kw.update(d_state=args.d_state, headdim=args.headdim, is_mimo=args.mimo_rank is not None,
-                  mimo_rank=rank, chunk_size=max(1, min(64, args.block_size) // rank))
-    else:
-        kw.update(n_head=args.n_head, block_size=args.block_size)
-    return kw
 
 
 def build_model(arch, config):
@@ -213,269 +452,6 @@ def set_compiled(model, value):
         if hasattr(model.cfg, field):
             setattr(model.cfg, field, value)
 
-
-# ------------------------------------------------------------------------------------------------
-# The learning rate: warmup, then a cosine decay over the steps or over the time budget
-# ------------------------------------------------------------------------------------------------
-
-def lr_at(args, step, elapsed):
-    """The learning rate of the next step: linear warmup over --warmup-iters steps, then cosine
-    decay to min_lr (as in nanoGPT). An iteration-based run measures the decay in steps; a
-    time-based run in the fraction of --max-time spent before this step. The warmup counts steps
-    in both: it is there for AdamW, whose moment estimates need a few steps, however long they
-    take (a first step that compiles for 30 s would otherwise use up a warmup measured in time)."""
-    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # the step's end
-    if args.max_time is None:
-        if step < args.warmup_iters:
-            return args.lr * warm
-        progress, start, end = step, args.warmup_iters, args.lr_decay_iters
-    else:
-        progress, start, end = elapsed / args.max_time, 0.0, 1.0
-    if progress >= end:
-        return args.min_lr * warm
-    ratio = (progress - start) / (end - start)  # 0 -> 1 over the decay
-    return warm * (args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr))
-
-
-# ------------------------------------------------------------------------------------------------
-# One training step
-# ------------------------------------------------------------------------------------------------
-
-def train_step(model, optimizer, x, y, args, autocast, scaler=None):
-    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
-    scaler: --dtype fp16's GradScaler (see precision), or None."""
-    loss = loss_fn(model, x, y, autocast)
-    optimizer.zero_grad(set_to_none=True)
-    if scaler is None:
-        loss.backward()
-    else:
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)  # the true gradients, for clipping
-    if args.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-    if scaler is None:
-        optimizer.step()
-    else:
-        scaler.step(optimizer)  # skipped if a gradient overflowed
-        scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
-    return loss
-
-
-# ------------------------------------------------------------------------------------------------
-# Evaluation
-# ------------------------------------------------------------------------------------------------
-
-def loss_fn(model, x, y, autocast):
-    with autocast:
-        logits = model(x)  # (B, T, padded vocab)
-    logits = logits[..., :VOCAB_SIZE].float()  # the padded rows are not characters
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-@torch.no_grad()
-def mean_loss(model, split, starts, args, device, autocast):
-    """Mean loss over fixed windows, split across processes and averaged."""
-    model.eval()
-    mine = starts[RANK::WORLD]
-    loss_sum = torch.zeros((), device=device)
-    for i in range(0, len(mine), args.batch_size):
-        x, y = windows(split, mine[i:i + args.batch_size], args.block_size, device)
-        loss_sum += loss_fn(model, x, y, autocast) * len(x)
-    total = torch.stack([loss_sum, torch.tensor(float(len(mine)), device=device)])  # (sum of losses, count)
-    if WORLD > 1:
-        dist.all_reduce(total)
-    model.train()
-    return (total[0] / total[1]).item()
-
-
-# ------------------------------------------------------------------------------------------------
-# Sampling
-# ------------------------------------------------------------------------------------------------
-
-def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None):
-    """Stream num_chars characters after the prompt, one O(1) recurrent step per character."""
-    out = out or sys.stdout
-    stoi = {c: i for i, c in enumerate(chars)}
-    if not prompt:  # a text without a newline has none in its vocabulary
-        prompt = "\n" if "\n" in stoi else chars[0]
-    unknown = sorted(set(prompt) - set(stoi))
-    if unknown:
-        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
-    ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
-    out.write(prompt)
-    for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
-        out.write(chars[token.item()])
-        out.flush()
-    out.write("\n")
-
-
-# ------------------------------------------------------------------------------------------------
-# The whole run
-# ------------------------------------------------------------------------------------------------
-
-class Run:
-    """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
-
-    def __init__(self, args, device, ddp, ckpt=None):
-        global VOCAB_SIZE
-        self.args, self.device, self.ddp = args, device, ddp
-        self.last_path = os.path.join(args.out_dir, "last.pt")
-        self.best_path = os.path.join(args.out_dir, "best.pt")
-        self.log_path = os.path.join(args.out_dir, "log.jsonl")
-
-        # ---------------------------------------------------------------- data
-        text = read_text(args.data)
-        self.chars = "".join(sorted(set(text)))
-        VOCAB_SIZE = len(self.chars)
-        stoi = {c: i for i, c in enumerate(self.chars)}
-        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-        n_train = int(0.9 * len(data))
-        self.train_data, self.val_data = data[:n_train], data[n_train:]
-        if len(self.val_data) <= args.block_size:
-            sys.exit(f"error: the text has {len(text)} characters; its 10% validation split "
-                     f"({len(self.val_data)}) must be longer than one block ({args.block_size}). "
-                     f"Use a longer text or a smaller --block-size.")
-        # the same windows at every evaluation, so the curve measures the model, not the sample
-        g = torch.Generator().manual_seed(1234)
-        n_eval = args.eval_iters * args.batch_size
-        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
-        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
-
-        # ---------------------------------------------------------------- model and optimizer
-        self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
-        # fused: the update of every tensor in one kernel (for the default CPU Mamba's 72 tensors,
-        # 0.6 ms a step instead of 2.9 on a 2-core AMD EPYC)
-        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
-                                           betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
-        self.autocast, self.scaler = precision(device, args.dtype)
-
-        # ---------------------------------------------------------------- fresh start or resume
-        self.p = Progress()  # step, elapsed time, best val loss, ...: what a checkpoint saves
-        start_or_resume(self, ckpt)
-        n_params = sum(p.numel() for p in self.raw_model.parameters())
-        log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
-            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
-            f"{torch.get_num_threads()} thread(s), {args.dtype}")
-        self.model = wrap(self.raw_model, args.compile_model, ddp, device)
-
-    def evaluate(self):
-        args, p = self.args, self.p
-        train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
-        val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
-        if not math.isfinite(val_loss):
-            sys.exit(f"error: the val loss is {val_loss} at step {p.step}: the run diverged; "
-                     f"try a lower --lr (now {args.lr:g})")
-        improved = val_loss < p.best_val
-        p.best_val = min(p.best_val, val_loss)
-        p.bad_evals = 0 if improved else p.bad_evals + 1
-        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # saved with the run's end
-        log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
-            f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
-        if RANK == 0:
-            append_log(self, train_loss=train_loss, val_loss=val_loss)
-            if improved:
-                save_checkpoint(self, self.best_path)
-            save_checkpoint(self, self.last_path)
-
-    # -------------------------------------------------------------------- the loop
-    def train(self):
-        args, p = self.args, self.p
-        tokens_per_step = args.batch_size * args.block_size * WORLD
-        if args.compile or args.compile_model:
-            log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
-        self.model.train()
-        t_start = t_last = clock()
-        step_at_last = step_at_start = p.step
-        elapsed_before = p.elapsed
-        if p.stopped_early:
-            log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
-        while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
-                                       else p.elapsed < args.max_time):
-            lr = lr_at(args, p.step, p.elapsed)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            x, y = get_batch(self.train_data, p.step, args, self.device)
-            try:
-                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
-            except Exception as err:  # the compiler runs at the first step: is there a working one?
-                loss = train_eagerly_after(err, self, x, y, first_step=p.step == step_at_start)
-            p.step += 1
-            p.tokens += tokens_per_step
-            now = clock()  # the only clock reading of the step
-            p.elapsed = elapsed_before + now - t_start
-            if args.max_time is not None and WORLD > 1:
-                # the processes' clocks differ by milliseconds: each deciding on its own clock whether
-                # an eval point or the end has passed would, near one, send them into different
-                # collectives. Rank 0's clock decides for all
-                p.elapsed = rank0_value(p.elapsed, self.device)
-            first_step = p.step == step_at_start + 1  # includes warm-up and any compiling: no rate from it
-            if p.step % args.log_interval == 0 or first_step:
-                dt = (now - t_last) / max(1, p.step - step_at_last)  # seconds per step since the last line
-                t_last, step_at_last = now, p.step
-                log_progress(args, p, loss, lr, dt, tokens_per_step / dt, first_step)
-            if args.max_time is None:
-                due = p.step % args.eval_interval == 0 or p.step == args.max_iters
-            else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
-                points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
-                due = points > p.evals_done or p.elapsed >= args.max_time
-                p.evals_done = points
-            if due:
-                self.evaluate()
-                if p.stopped_early:
-                    log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
-
-    # -------------------------------------------------------------------- the end
-    def finish(self):
-        """The best checkpoint's loss on the whole val split, and a sample from it."""
-        args = self.args
-        if WORLD > 1:
-            dist.barrier()  # rank 0 has finished writing best.pt
-        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's: see __init__
-        starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
-        # eager, even after --compile-model: its last, smaller batch would cost a compile of its own
-        set_compiled(self.raw_model, False)
-        full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
-        log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
-            f"loss {full_val:.4f} (best checkpoint)")
-        if self.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
-            log(f"peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB "
-                f"(torch.cuda.max_memory_allocated, --dtype {args.dtype})")
-        if RANK == 0:
-            append_log(self, full_val_loss=full_val)
-            if not args.no_sample:
-                print("-" * 80)
-                sample(self.raw_model.eval(), self.chars, None, 300, args.temperature, args.top_k, self.device)
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    ddp, device = start_processes(args)
-    ckpt = read_last_checkpoint(args) if args.resume and not args.sample else None
-    fill_defaults(args, device)
-    torch.manual_seed(args.seed)
-    if args.sample:
-        model, sampled = load_for_sampling(args, device)
-        try:
-            if RANK == 0:
-                sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
-        except ValueError as err:
-            sys.exit(f"error: {err}")
-    else:
-        if RANK == 0:
-            check_out_dir(args.out_dir)
-        run = Run(args, device, ddp, ckpt)
-        run.train()
-        run.finish()
-    if ddp:
-        dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
-        dist.destroy_process_group()
-
-
-# ================================================================================================
-# Plumbing. The training script ends above; what follows makes a run safe to use and to resume:
-# the command line and its checks, the device and precision, the clock and the log, atomic
-# checkpoints, exact resumption, and several processes under torchrun.
-# ================================================================================================
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -732,7 +708,10 @@ def stray_temporaries(out_dir):
 
 
 def check_out_dir(out_dir):
-    """Fail now, not at the first evaluation minutes from now, if the checkpoints cannot be written."""
+    """Fail now, not at the first evaluation minutes from now, if the checkpoints cannot be written
+    (checked by rank 0, the process that writes them)."""
+    if RANK != 0:
+        return
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         sys.exit(f"error: --out-dir {out_dir} is a file; expected a directory (it is created if missing)")
     try:
@@ -745,11 +724,44 @@ def check_out_dir(out_dir):
         sys.exit(f"error: cannot write to --out-dir {out_dir} ({err.strerror or err})")
 
 
+def check_val_split(n_chars, n_val, block_size):
+    if n_val <= block_size:
+        sys.exit(f"error: the text has {n_chars} characters; its 10% validation split "
+                 f"({n_val}) must be longer than one block ({block_size}). "
+                 f"Use a longer text or a smaller --block-size.")
+
+
+def exit_if_diverged(val_loss, step, args):
+    if not math.isfinite(val_loss):
+        sys.exit(f"error: the val loss is {val_loss} at step {step}: the run diverged; "
+                 f"try a lower --lr (now {args.lr:g})")
+
+
+def checked_prompt(prompt, chars):
+    """The prompt, or by default a newline (a text without one has none in its vocabulary: then its
+    first character). A character outside the vocabulary is a ValueError."""
+    if not prompt:
+        prompt = "\n" if "\n" in chars else chars[0]
+    unknown = sorted(set(prompt) - set(chars))
+    if unknown:
+        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
+    return prompt
+
+
 def rank0_value(x, device):
     """The float x as process 0 holds it, in every process."""
     t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.broadcast(t, src=0)
     return t.item()
+
+
+def rank0_clock(elapsed, args, device):
+    """A time-based run under torchrun: rank 0's elapsed time, in every process. The processes'
+    clocks differ by milliseconds: each deciding on its own clock whether an eval point or the end
+    has passed would, near one, send them into different collectives."""
+    if args.max_time is not None and WORLD > 1:
+        return rank0_value(elapsed, device)
+    return elapsed
 
 
 def mean_over_processes(loss):
