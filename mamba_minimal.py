@@ -2,10 +2,12 @@
 mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
 official checkpoints.
 
-Read it top to bottom. Sections 1 to 5 are the model: a reader who stops at the end of section 5
-has read a complete, correct Mamba (its forward calls section 6's selective_scan, which computes
-section 2's selective_scan_reference faster, to rounding). Section 6 makes it fast, section 7
-loads checkpoints, and the input checks wait in an appendix.
+Read it top to bottom. Sections 1 to 5 are the whole model, with one exception: how it runs.
+MambaMixer.forward calls section 6's selective_scan, which computes section 2's
+selective_scan_reference (equal to rounding) with a backward written by hand, and its causal
+conv's backward is section 6's too. Section 6 makes it fast, section 7 loads checkpoints,
+section 8 holds what using a model for real adds (continuing a cache, packed sequences, left
+padding), and the input checks wait in an appendix.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -14,7 +16,8 @@ loads checkpoints, and the input checks wait in an appendix.
     5. Recurrent inference              prefill, an O(1) step per token, generate  (Mamba.step, selective_state_update)
     6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan()
     7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
-    8. Appendix: input checks
+    8. Using a model for real           caches, packed sequences, padding
+    9. Appendix: input checks
 
 Glossary. One name, one meaning; shape comments use these letters.
 
@@ -61,43 +64,30 @@ def _at_least_fp32(t):
 # ------------------------------------------------------------------------------------------------
 # 1. The SSM and its discretization
 # ------------------------------------------------------------------------------------------------
-# A state space model maps an input signal x(t) to an output y(t) through a hidden state h(t)
-# (paper eq. 1):
+# A state space model maps an input x(t) to an output y(t) through a hidden state h(t) (paper eq. 1):
 #
 #     h'(t) = A·h(t) + B·x(t),        y(t) = C·h(t)
 #
-# Mamba runs ED of them side by side, one per channel, each with N states. A is diagonal, so
-# it is stored as one number per (channel, state), (ED, N); B and C are N-vectors shared by
-# the channels. To run on tokens the system is sampled with a step Δ (eq. 2):
+# Mamba runs ED of them side by side, one per channel, each with N states; A is diagonal, stored as
+# (ED, N). To run on tokens the system is sampled with a step Δ and the zero-order hold (eqs. 2, 4):
 #
-#     h_t = Ā·h_{t-1} + B̄·x_t,        y_t = C·h_t
+#     h_t = Ā·h_{t-1} + B̄·x_t,      Ā = exp(Δ·A),      B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B ≈ Δ·B
 #
-# The zero-order hold (eq. 4) takes x to be constant over each step and integrates exactly:
+# Ā = exp(Δ·A) is exactly how the state decays over a step, whatever x does; for B̄ Mamba keeps the
+# first-order term Δ·B, as the official selective_scan_ref does. This is not plain Euler, whose
+# 1 + Δ·A could leave (0, 1) for a large Δ.
 #
-#     Ā = exp(Δ·A),        B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B
+# Why A_log: A = -exp(A_log) < 0 and Δ = softplus(·) > 0 put every decay exp(Δ·A) in (0, 1), and no
+# optimizer step can make A positive. A large Δ forgets the past and takes the input in; a small Δ
+# keeps the past and barely lets the input in.
 #
-# Ā does not depend on that assumption: exp(Δ·A) is exactly how the state decays over a step of
-# length Δ, whatever x does. The assumption is what makes the B̄ term exact. Mamba keeps Ā, and
-# for B̄ takes its first-order approximation Δ·B ((e^u - 1)/u = 1 + u/2 + ..., with u = Δ·A), as
-# the official selective_scan_ref does (deltaB_u = Δ·B·x). So the step is exact ZOH for A and an
-# Euler-like first-order term for B: not plain Euler, which would also replace exp(Δ·A) by 1 + Δ·A
-# and could leave (0, 1) for a large Δ.
+# Selection (§3.2, Algorithm 2): Δ, B and C are computed per token from the conv's output (which
+# has seen the last d_conv tokens). A stays a learned constant: a selective Δ already makes the
+# decay exp(Δ·A) selective (§3.5.2).
 #
-# Stability: A = -exp(A_log) < 0 and Δ = softplus(·) > 0, so every decay exp(Δ·A) lies in
-# (0, 1) and the state can only shrink by itself. A is stored as A_log = log(-A) so that no
-# optimizer step can make it positive. A large Δ forgets the past (decay near 0) and
-# takes the current input in strongly; a small Δ keeps the past (decay near 1) and barely lets
-# the input in.
-#
-# Selection (§3.2, Algorithm 2) is what makes Mamba more than an SSM: Δ, B and C are computed
-# from the input, per token. They come from the conv output x_t, which has seen the last d_conv
-# tokens, not from the current token alone. A stays a learned constant: it reaches the
-# recurrence only through Δ·A, so a selective Δ already makes the decay selective (§3.5.2).
-#
-# Seen from attention: unrolling the recurrence, y_t = Σ_{s≤t} C_t·(dA_{s+1}···dA_t)·Δ_s·B_s·x_s.
-# That is causal linear attention with query C_t, key B_s, value Δ_s·x_s and, instead of a
-# softmax, a decay that the tokens between s and t choose. Mamba-2 (mamba2_minimal.py) makes the
-# decay one scalar per head, so that this sum can be computed as matrix products.
+# Seen from attention: y_t = Σ_{s≤t} C_t·(dA_{s+1}···dA_t)·Δ_s·B_s·x_s is causal linear attention
+# with query C_t, key B_s, value Δ_s·x_s and, instead of a softmax, a per-token decay. Mamba-2
+# (mamba2_minimal.py) makes that decay one scalar per head, so the sum becomes matrix products.
 
 def discretize(x, delta, A, B):
     """The step of the recurrence for every token (or for one token: drop the L below).
@@ -119,25 +109,17 @@ def discretize(x, delta, A, B):
 # ------------------------------------------------------------------------------------------------
 # 2. The selective scan
 # ------------------------------------------------------------------------------------------------
-# Algorithm 2 of the paper (the "S6" layer): discretize every token, run the linear recurrence
-# h_t = dA_t·h_{t-1} + dBx_t over the sequence, and read each state out with C_t. Then add the
-# skip D·x and gate with SiLU(z) (both belong to the block, §3.4; the official kernel applies them
-# inside the scan, and so does this file). Since dA_t = exp(Δ_t·A) changes from token to token, and so do B_t
-# and C_t, the recurrence cannot be unrolled into one fixed convolution kernel as in S4 (eq. 3;
-# pscan.scan_time_invariant shows that case): it has to be scanned,
-# which is what pscan.py is about.
+# Algorithm 2 of the paper (the "S6" layer): discretize every token, run h_t = dA_t·h_{t-1} + dBx_t
+# over the sequence, read each state out with C_t, then add the skip D·x and gate with SiLU(z) (the
+# block's, §3.4, applied inside the scan as the official kernel does). Since dA_t, B_t and C_t
+# change with the token, the recurrence is no fixed convolution kernel as in S4 (eq. 3): it has to
+# be scanned (pscan.py). selective_scan_reference mirrors the official selective_scan_ref
+# (mamba_ssm/ops/selective_scan_interface.py), and section 6's fast path is tested against it.
 #
-# selective_scan_reference is the whole algorithm in a few lines, and the function that
-# section 6's fast path is tested against. It mirrors the official selective_scan_ref
-# (mamba_ssm/ops/selective_scan_interface.py), which runs the recurrence as a Python loop:
-# pscan.scan's "sequential" backend; here pscan.scan picks the backend.
-#
-# Everything runs in fp32 whatever the input dtype, and fp64 goes through unchanged (the tests).
-# Why not bf16: it keeps 8 significant bits, so its numbers are 2^-8 apart just below 1 and 2^-7
-# just above. A decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds
-# to 1.0, and the state never forgets; adding Δ·B·x ≈ 0.001 to a state near 1 moves it by less
-# than half a spacing (0.0039), and the input is rounded away. The state sums hundreds of such
-# small contributions; fp32 keeps 24 bits (spacing 6e-8 just below 1).
+# Why fp32 whatever the input dtype: bf16 keeps 8 significant bits, 2^-8 apart just below 1. A
+# decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds to 1.0 and the
+# state never forgets; Δ·B·x ≈ 0.001 added to a state near 1 is under half a spacing and is rounded
+# away. fp32 keeps 24 bits (spacing 6e-8 there); fp64 inputs stay fp64.
 
 def skip_and_gate(y, x, D, z):
     """The last two steps of the selective scan: y + D·x, then the gate SiLU(z). (b, L, ED)."""
@@ -160,8 +142,7 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
         z:       (b, L, ED)  gate, or None
         h0:      (b, ED, N)  initial state, or None for zeros
         backend: any of pscan.BACKENDS, the scan that runs the recurrence
-        reset:   (b, L) bool or None: True where a packed sequence starts; dA = 0 there, so the
-                 state before it is forgotten (pscan.py section 3)
+        reset:   (b, L) bool or None: True where a packed sequence starts, dA = 0 (section 8)
     Returns:
         y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
     """
@@ -171,28 +152,23 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
     if reset is not None:
         dA = dA.masked_fill(reset[:, :, None, None], 0)
     h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (b, L, ED, N)
-    # y_t = C_t·h_t as a product and a sum, not a matmul: bf16 autocast runs matmuls in bf16, and
-    # the read-out of an fp32 state has to stay fp32 like the state itself
+    # C_t·h_t as a product and a sum: bf16 autocast would run a matmul in bf16
     y = (h * C.unsqueeze(-2)).sum(-1)  # (b, L, ED)
     y = skip_and_gate(y, x, D, z)  # (b, L, ED)
-    # a copy, not the view h[:, -1]: the view would keep all of h, (b, L, ED, N), alive for as
-    # long as the caller keeps the final state (the inference cache keeps it for good)
+    # a copy: the view h[:, -1] would keep all of h alive as long as a cache keeps the state
     return y, h[:, -1].clone()  # (b, L, ED), (b, ED, N)
 
 
 # ------------------------------------------------------------------------------------------------
 # 3. The block
 # ------------------------------------------------------------------------------------------------
-# The mixer around the selective scan (the paper's Figure 3, §3.4): project up, a short causal
-# conv, Δ, B and C from its output, the scan, the gate, project down. Its forward can also hand
-# back the layer's state, and its step advances that state by one token: both belong to
-# section 5 (recurrent inference), which says what the state is and why it is all a layer needs.
+# The mixer around the selective scan (Figure 3, §3.4): project up, a short causal conv, Δ, B and
+# C from its output, the scan, the gate, project down. Its cache and step belong to section 5.
 
 @dataclass
 class MambaConfig:
-    """Field names follow the official mamba_ssm MambaConfig and Mamba block, and so do the
-    block's defaults (d_state, expand, d_conv, dt_*). d_model, n_layer and vocab_size default to
-    a small character model for Tiny Shakespeare's 65 characters."""
+    """Names and block defaults as the official MambaConfig and Mamba block; d_model, n_layer and
+    vocab_size default to a small model of Tiny Shakespeare's 65 characters."""
     d_model: int = 128
     n_layer: int = 4
     vocab_size: int = 65
@@ -256,11 +232,10 @@ def dt_bias_init(n, cfg):
 
 
 def shifted_sum(x_pad, w, bias=None, keep=None):
-    """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_pad_{t+k} + bias,
-    where x_pad (b, d_conv-1+L, C) holds the d_conv-1 inputs before the first token (zeros, or a
-    cache's buffer) and then the L tokens; w (C, d_conv); keep (b, L, d_conv) or None: 0 where tap
-    k must not read its input (another sequence's). -> (b, L, C). On a CPU this is much cheaper
-    than nn.Conv1d, whose backward would dominate the training step."""
+    """The depthwise causal conv as d_conv shifted multiply-adds, out_t = Σ_k w_k·x_pad_{t+k} + bias:
+    x_pad (b, d_conv-1+L, C) is the d_conv-1 inputs before the first token, then the L tokens;
+    w (C, d_conv); keep: packed sequences (section 8). -> (b, L, C). On a CPU much cheaper than
+    nn.Conv1d, whose backward would dominate the training step."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
     def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, C)
@@ -274,24 +249,21 @@ def shifted_sum(x_pad, w, bias=None, keep=None):
 
 
 class MambaMixer(nn.Module):
-    """The Mamba block (the official `Mamba` module, named `mixer` in the official tree; the
-    paper's §3.4 and Figure 3). Its forward mirrors the official Mamba.forward / mamba_inner_ref:
+    """The Mamba block (the official `Mamba` module, `mixer` in the official tree; §3.4, Figure 3),
+    its forward as the official Mamba.forward / mamba_inner_ref:
 
       hidden ─ in_proj ─┬─ x ─ causal conv1d ─ SiLU ─┬──────────────── x ─────────────┐
                         │                            └─ x_proj, dt_proj ─ Δ, B, C ────┤
                         │                                  selective scan: y = C·h + D·x
                         └─ z ─ SiLU ──────────────────────────────────────── × y ─ out_proj ─ out
 
-    x is the scan's input; Δ, B and C are computed from the same x, so they see the last d_conv
-    tokens through the conv.
-
-    Why each piece (paper §3.4, §3.6):
-      - the short causal conv (4 taps, inherited from the H3 block) mixes each channel with the
-        last few tokens before the scan, so that Δ, B and C see a local context, not one token;
-      - the gate SiLU(z) merges the H3 block with a gated MLP into one homogeneous block: one
-        branch carries the sequence mixing, the other decides per channel what passes;
-      - Δ is computed at low rank (d_model/16, then dt_proj back to ED channels): one step size
-        per channel from a few numbers per token, cheap next to the projections.
+    Why each piece:
+      - the short causal conv (d_conv = 4 taps) is kept from the H3 block (§3.4); it mixes each
+        channel with the last few tokens, so that Δ, B and C see a local context, not one token;
+      - the gate SiLU(z) merges the H3 block and a gated MLP into one block (§3.4): one branch
+        mixes along the sequence, the other decides per channel what passes;
+      - Δ is low rank (§3.6): dt_rank = d_model/16 numbers per token, which dt_proj brings back
+        to ED channels, cheap next to the projections.
     """
 
     def __init__(self, cfg: MambaConfig):
@@ -299,8 +271,7 @@ class MambaMixer(nn.Module):
         self.cfg = cfg
         ed, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
         self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
-        # depthwise (one filter per channel) and causal: token t sees t-d_conv+1 .. t. Kept as the
-        # official nn.Conv1d so checkpoints load as they are; causal_conv below computes it.
+        # depthwise and causal (token t sees t-d_conv+1 .. t); an nn.Conv1d so that checkpoints load
         self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
         self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
@@ -311,9 +282,8 @@ class MambaMixer(nn.Module):
 
     @torch.no_grad()
     def reset_ssm_parameters(self):
-        """The official initialization of Δ, A and D. Called again by MambaLM after its generic
-        init, so a pass that resets every Linear cannot leave dt_proj's bias at zero (which would
-        start every Δ at softplus(0) = 0.69 instead of 0.001..0.1)."""
+        """The official init of Δ, A and D; MambaLM calls it again after its generic init, which
+        would leave dt_proj's bias at zero (every Δ softplus(0) = 0.69 instead of 0.001..0.1)."""
         cfg = self.cfg
         std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
         if cfg.dt_init == "constant":
@@ -334,32 +304,23 @@ class MambaMixer(nn.Module):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
-        # the bias is added in fp32, as the official kernel adds its fp32 `delta_bias`: in bf16,
-        # next to the bias (about -2 to -7 at init, spacing 1/32 there) the data-dependent part
-        # would be quantized in steps of about a tenth of its size
-        # dt_low @ Wᵀ with Wᵀ copied contiguous, not F.linear: the same product, but autograd then
-        # computes both gradients as matmuls with a wide output; F.linear's backward produces the
-        # narrow (..., dt_rank) and (ED, dt_rank) ones, which MKL runs 2-4x slower on a CPU
+        # the bias added in fp32, as the official delta_bias: in bf16, next to a bias of -2 to -7
+        # (spacing 1/32), the data-dependent part would move in steps of a tenth of its size.
+        # @ Wᵀ made contiguous, not F.linear: the same product, a backward 2-4x faster on a CPU
         dt_raw = _at_least_fp32(dt_low @ self.dt_proj.weight.t().contiguous())  # (..., ED) before softplus
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
     def causal_conv(self, x, conv_state=None, seq_idx=None):
-        """The depthwise causal conv, out_t = Σ_k w_k·x_{t-d_conv+1+k} + bias (shifted_sum), the same
-        sum `step` computes on its rolling buffer. x: (b, L, ED) -> (b, L, ED). Optional: conv_state (b, ED, d_conv), a cache's buffer, read
-        instead of zeros before the first token; seq_idx (b, L), packed sequences: a tap never reads
-        an input of another sequence (the buffer counts as the first one's)."""
-        width, L = self.cfg.d_conv, x.shape[1]
-        w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
+        """The depthwise causal conv (shifted_sum), the sum `step` computes on its rolling buffer.
+        x: (b, L, ED) -> (b, L, ED). conv_state, seq_idx: continuing a cache, packed sequences."""
+        width = self.cfg.d_conv
         if conv_state is None:
             x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
         else:
             x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
-        keep = None  # with seq_idx, (b, L, d_conv): 0 where tap k would read another sequence's input
-        if seq_idx is not None:
-            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, d_conv-1+L)
-            keep = torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(x.dtype)
-        return _CausalConv.apply(x_pad, w, self.conv1d.bias, keep)  # shifted_sum, section 6's backward
+        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # (b, L, d_conv), section 8
+        return _CausalConv.apply(x_pad, self.conv1d.weight[:, 0, :], self.conv1d.bias, keep)  # section 6's backward
 
     def conv_step(self, conv_state, x):
         """causal_conv at one new position, for `step`: push x (b, ED) into the rolling buffer of the
@@ -370,25 +331,12 @@ class MambaMixer(nn.Module):
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
-        """The rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros before
-        the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
-        tensor, so a cache does not keep the prompt's activations alive. With seq_idx, the inputs of
-        earlier sequences are zeros: the buffer is the last sequence's alone."""
-        d_conv = self.cfg.d_conv
-        x_in = x_in.transpose(1, 2)  # (b, ED, L)
-        if conv_state is None:
-            state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
-        else:
-            state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
-        if seq_idx is not None:
-            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
-            state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
-        return state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
+        """The rolling buffer after x_in (b, L, ED): its last d_conv inputs, (b, ED, d_conv)."""
+        return conv_buffer_after(x_in, self.cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)  # section 8
 
     def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
-        (conv_state, ssm_state) for section 5. cache: start from this layer's (conv_state,
-        ssm_state); seq_idx and attention_mask (b, L) as MambaLM.forward takes them, checked there."""
+        (conv_state, ssm_state) for section 5. cache, seq_idx, attention_mask: section 8."""
         cfg = self.cfg
         conv_state, h0 = (None, None) if cache is None else cache
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
@@ -409,16 +357,11 @@ class MambaMixer(nn.Module):
         return out, (self.conv_state_after(x_in, conv_state, seq_idx), h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
-        """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
-        step checks a cache against it before writing into any layer (section 8)."""
-        cfg = self.cfg
-        return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", self.conv1d.weight.dtype),
-                ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
-                 _at_least_fp32(self.A_log).dtype))
+        """What prefill's cache holds for this layer; step checks a cache against it (section 8)."""
+        return mamba_cache_spec(self, batch)
 
     def step(self, hidden, cache):
-        """One token: the recurrent form of forward (section 5), mirroring the official
-        Mamba.step (selective_state_update is its fused kernel for the SSM part).
+        """One token, the recurrent form of forward (section 5; the official Mamba.step).
         hidden: (b, d_model); cache = (conv_state, ssm_state), updated in place. -> (b, d_model)"""
         conv_state, ssm_state = cache  # (b, ED, d_conv), (b, ED, N) fp32
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, ED) each
@@ -606,17 +549,6 @@ class MambaLM(nn.Module):
     def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
         """Load a checkpoint folder (official or transformers layout) or a hub id; see section 7."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
-
-
-def seq_idx_from_cu_seqlens(cu_seqlens):
-    """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
-    total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
-                         f"increasing, got {cu_seqlens!r}")
-    lengths = cu_seqlens.diff()  # (n,)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -1329,7 +1261,68 @@ def load_weights(model, folder, device=None, dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 8. Appendix: input checks
+# 8. Using a model for real: caches, packed sequences, padding
+# ------------------------------------------------------------------------------------------------
+# Options of MambaLM.forward (and prefill) that serving and training on real data need; none of
+# them changes what the model computes for one whole sequence. Each is checked in the appendix.
+#
+#   cache           a cache as prefill returns it: continue from its states (it is not modified),
+#                   so any split of a sequence into pieces gives the logits and final cache of one pass
+#   seq_idx         (b, L) integers, non-decreasing along a row: packed sequences, each starting from
+#                   a zero state where the index changes (reset: dA = 0 at its first token)
+#   attention_mask  (b, L) of 0/1, left padding: the 0s are identity steps for the state (Δ = 0,
+#                   so dA = 1 and dBx = 0) and zeros for the conv, so each row computes what it
+#                   computes alone (the logits at padded positions mean nothing)
+#
+# The conv needs the most care: its taps look d_conv-1 tokens back, into the cache's buffer or
+# into the previous packed sequence.
+
+def seq_idx_from_cu_seqlens(cu_seqlens):
+    """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
+    total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
+                         f"increasing, got {cu_seqlens!r}")
+    lengths = cu_seqlens.diff()  # (n,)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
+
+
+def conv_keep(seq_idx, width, dtype):
+    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an input of
+    another sequence (the inputs before the first token count as the first sequence's)."""
+    L = seq_idx.shape[1]
+    seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, width-1+L)
+    return torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(dtype)
+
+
+def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
+    """The conv's rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros
+    before the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
+    tensor of `dtype`, so a cache does not keep the prompt's activations alive. With seq_idx, the
+    inputs of earlier sequences are zeros: the buffer is the last sequence's alone."""
+    x_in = x_in.transpose(1, 2)  # (b, ED, L)
+    if conv_state is None:
+        state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
+    else:
+        state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
+    if seq_idx is not None:
+        seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
+        state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
+    return state.to(dtype).clone(memory_format=torch.contiguous_format)
+
+
+def mamba_cache_spec(mixer, batch):
+    """MambaMixer.cache_spec: the layer's cache as (name, shape, what the dims are, dtype); the
+    SSM state is fp32 at least, like the scan."""
+    cfg = mixer.cfg
+    return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", mixer.conv1d.weight.dtype),
+            ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
+             _at_least_fp32(mixer.A_log).dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. Appendix: input checks
 # ------------------------------------------------------------------------------------------------
 # Bad input gets an error that names what was expected, before any work is done. None of these
 # checks reads a tensor's values except _check_token_range and _check_use's checks of seq_idx and
