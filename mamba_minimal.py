@@ -16,7 +16,7 @@ padding), and the input checks wait in an appendix.
     5. Recurrent inference              prefill, an O(1) step per token, generate  (Mamba.step, selective_state_update)
     6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan()
     7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
-    8. Using a model for real           caches, packed sequences, padding
+    8. Using a model for real           caches, packed sequences, padding, sampling, weight decay
     9. Appendix: input checks
 
 Glossary. One name, one meaning; shape comments use these letters.
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 import pscan
 
 def _at_least_fp32(t):
-    """fp16/bf16 -> fp32; fp32 and fp64 stay as they are (the tests run whole models in fp64)."""
+    """fp16/bf16 -> fp32; fp32 and fp64 stay as they are."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
@@ -68,39 +68,27 @@ def _at_least_fp32(t):
 #
 #     h'(t) = A·h(t) + B·x(t),        y(t) = C·h(t)
 #
-# Mamba runs ED of them side by side, one per channel, each with N states; A is diagonal, stored as
-# (ED, N). To run on tokens the system is sampled with a step Δ and the zero-order hold (eqs. 2, 4):
+# Mamba runs ED of them, one per channel, each with N states; A is diagonal, stored as (ED, N).
+# Sampled with a step Δ and the zero-order hold (eqs. 2, 4):
 #
 #     h_t = Ā·h_{t-1} + B̄·x_t,      Ā = exp(Δ·A),      B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B ≈ Δ·B
 #
-# Ā = exp(Δ·A) is exactly how the state decays over a step, whatever x does; for B̄ Mamba keeps the
-# first-order term Δ·B, as the official selective_scan_ref does. This is not plain Euler, whose
-# 1 + Δ·A could leave (0, 1) for a large Δ.
+# Ā is exactly how the state decays over a step, whatever x does; B̄ is kept to first order, Δ·B,
+# as in the official selective_scan_ref. Not plain Euler, whose 1 + Δ·A could leave (0, 1).
 #
 # Why A_log: A = -exp(A_log) < 0 and Δ = softplus(·) > 0 put every decay exp(Δ·A) in (0, 1), and no
-# optimizer step can make A positive. A large Δ forgets the past and takes the input in; a small Δ
-# keeps the past and barely lets the input in.
+# optimizer step can make A positive. A large Δ forgets the past and takes the input in; a small
+# Δ keeps the past.
 #
-# Selection (§3.2, Algorithm 2): Δ, B and C are computed per token from the conv's output (which
-# has seen the last d_conv tokens). A stays a learned constant: a selective Δ already makes the
-# decay exp(Δ·A) selective (§3.5.2).
+# Selection (§3.2): Δ, B and C are computed per token from the conv's output. A stays a learned
+# constant: a selective Δ already makes the decay exp(Δ·A) selective (§3.5.2).
 #
 # Seen from attention: y_t = Σ_{s≤t} C_t·(dA_{s+1}···dA_t)·Δ_s·B_s·x_s is causal linear attention
-# with query C_t, key B_s, value Δ_s·x_s and, instead of a softmax, a per-token decay. Mamba-2
-# (mamba2_minimal.py) makes that decay one scalar per head, so the sum becomes matrix products.
+# with query C_t, key B_s, value Δ_s·x_s and, instead of a softmax, a decay chosen per token.
 
 def discretize(x, delta, A, B):
-    """The step of the recurrence for every token (or for one token: drop the L below).
-
-    Args:
-        x:     (b, L, ED)  input of the scan
-        delta: (b, L, ED)  step size Δ, positive
-        A:     (ED, N)     continuous state matrix (diagonal, negative)
-        B:     (b, L, N)   input matrix
-    Returns:
-        dA:  (b, L, ED, N)  exp(Δ·A)   the zero-order hold, exact
-        dBx: (b, L, ED, N)  Δ·B·x      the first-order term for B
-    """
+    """x, delta (b, L, ED), A (ED, N), B (b, L, N) -> dA = exp(Δ·A), dBx = Δ·B·x, (b, L, ED, N)
+    each; for one token, drop the L."""
     dA = torch.exp(delta.unsqueeze(-1) * A)  # (b, L, ED, N)
     dBx = (delta * x).unsqueeze(-1) * B.unsqueeze(-2)  # (b, L, ED, N)
     return dA, dBx
@@ -109,17 +97,16 @@ def discretize(x, delta, A, B):
 # ------------------------------------------------------------------------------------------------
 # 2. The selective scan
 # ------------------------------------------------------------------------------------------------
-# Algorithm 2 of the paper (the "S6" layer): discretize every token, run h_t = dA_t·h_{t-1} + dBx_t
-# over the sequence, read each state out with C_t, then add the skip D·x and gate with SiLU(z) (the
-# block's, §3.4, applied inside the scan as the official kernel does). Since dA_t, B_t and C_t
-# change with the token, the recurrence is no fixed convolution kernel as in S4 (eq. 3): it has to
-# be scanned (pscan.py). selective_scan_reference mirrors the official selective_scan_ref
-# (mamba_ssm/ops/selective_scan_interface.py), and section 6's fast path is tested against it.
+# Algorithm 2 (the "S6" layer): discretize every token, run h_t = dA_t·h_{t-1} + dBx_t, read each
+# state out with C_t, then add the skip D·x and gate with SiLU(z) (the block's, §3.4, applied
+# inside the scan as the official kernel does). As dA_t, B_t and C_t change with the token, this
+# is no fixed convolution as in S4 (eq. 3): it has to be scanned (pscan.py). The function mirrors
+# the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py).
 #
 # Why fp32 whatever the input dtype: bf16 keeps 8 significant bits, 2^-8 apart just below 1. A
 # decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds to 1.0 and the
-# state never forgets; Δ·B·x ≈ 0.001 added to a state near 1 is under half a spacing and is rounded
-# away. fp32 keeps 24 bits (spacing 6e-8 there); fp64 inputs stay fp64.
+# state never forgets; Δ·B·x ≈ 0.001 added to a state near 1 is under half a spacing: rounded away.
+# fp32's spacing there is 6e-8.
 
 def skip_and_gate(y, x, D, z):
     """The last two steps of the selective scan: y + D·x, then the gate SiLU(z). (b, L, ED)."""
@@ -131,21 +118,10 @@ def skip_and_gate(y, x, D, z):
 
 
 def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
-    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z), over materialized tensors.
-
-    Args:
-        x:       (b, L, ED)  input
-        delta:   (b, L, ED)  step size Δ (after softplus)
-        A:       (ED, N)     diagonal state matrix, negative
-        B, C:    (b, L, N)   input and output matrices
-        D:       (ED,)       skip connection, or None
-        z:       (b, L, ED)  gate, or None
-        h0:      (b, ED, N)  initial state, or None for zeros
-        backend: any of pscan.BACKENDS, the scan that runs the recurrence
-        reset:   (b, L) bool or None: True where a packed sequence starts, dA = 0 (section 8)
-    Returns:
-        y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
-    """
+    """y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z); section 6 is tested against it.
+    x, delta, z: (b, L, ED); A: (ED, N); B, C: (b, L, N); D: (ED,); h0: (b, ED, N) or None;
+    backend: one of pscan.BACKENDS; reset: section 8. -> y (b, L, ED) and the final state
+    (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
@@ -155,20 +131,19 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
     # C_t·h_t as a product and a sum: bf16 autocast would run a matmul in bf16
     y = (h * C.unsqueeze(-2)).sum(-1)  # (b, L, ED)
     y = skip_and_gate(y, x, D, z)  # (b, L, ED)
-    # a copy: the view h[:, -1] would keep all of h alive as long as a cache keeps the state
+    # a copy: the view h[:, -1] would keep all of h alive in a cache
     return y, h[:, -1].clone()  # (b, L, ED), (b, ED, N)
 
 
 # ------------------------------------------------------------------------------------------------
 # 3. The block
 # ------------------------------------------------------------------------------------------------
-# The mixer around the selective scan (Figure 3, §3.4): project up, a short causal conv, Δ, B and
-# C from its output, the scan, the gate, project down. Its cache and step belong to section 5.
+# The mixer around the selective scan (Figure 3, §3.4) and its parts; its cache and step belong
+# to section 5.
 
 @dataclass
 class MambaConfig:
-    """Names and block defaults as the official MambaConfig and Mamba block; d_model, n_layer and
-    vocab_size default to a small model of Tiny Shakespeare's 65 characters."""
+    """Names and block defaults as the official MambaConfig; the size of a small character model."""
     d_model: int = 128
     n_layer: int = 4
     vocab_size: int = 65
@@ -178,7 +153,7 @@ class MambaConfig:
     d_conv: int = 4
     conv_bias: bool = True
     bias: bool = False
-    dt_min: float = 1e-3  # Δ at init: log-uniform in [dt_min, dt_max], floored at dt_init_floor
+    dt_min: float = 1e-3  # Δ at init: log-uniform in [dt_min, dt_max], at least dt_init_floor
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     dt_scale: float = 1.0
@@ -187,11 +162,11 @@ class MambaConfig:
     pad_vocab_size_multiple: int = 8  # official layout only: aligned shapes run faster on GPUs
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
-    # how to run the selective scan (section 6; not part of a checkpoint's identity)
+    # how section 6 runs the scan, not part of a checkpoint
     scan_backend: str = "auto"
-    compile_scan: Union[bool, str] = False  # False, True or "loop": selective_scan's compile
+    compile_scan: Union[bool, str] = False  # False, True or "loop"
     chunk_size: int = 16
-    recompute: bool = True  # the fused path: hand-written, recomputing backward (vs plain autograd)
+    recompute: bool = True  # the fused path's hand-written backward (vs plain autograd)
 
     def __post_init__(self):
         _check_config(self)  # the appendix
@@ -223,8 +198,8 @@ class RMSNorm(nn.Module):
 
 
 def dt_bias_init(n, cfg):
-    """n initial step sizes Δ, log-uniform in [dt_min, dt_max] and floored at dt_init_floor (the
-    official init, Mamba-2's too), returned as the bias whose softplus gives them: softplus^-1(Δ)."""
+    """n initial Δ, log-uniform in [dt_min, dt_max], at least dt_init_floor (the official init),
+    as the bias whose softplus gives them."""
     u = torch.rand(n)
     dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
     dt = dt.clamp(min=cfg.dt_init_floor)
@@ -232,10 +207,9 @@ def dt_bias_init(n, cfg):
 
 
 def shifted_sum(x_pad, w, bias=None, keep=None):
-    """The depthwise causal conv as d_conv shifted multiply-adds, out_t = Σ_k w_k·x_pad_{t+k} + bias:
-    x_pad (b, d_conv-1+L, C) is the d_conv-1 inputs before the first token, then the L tokens;
-    w (C, d_conv); keep: packed sequences (section 8). -> (b, L, C). On a CPU much cheaper than
-    nn.Conv1d, whose backward would dominate the training step."""
+    """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, C) is
+    the d_conv-1 inputs before the first token, then the tokens; w (C, d_conv); keep: section 8.
+    -> (b, L, C). On a CPU far cheaper than nn.Conv1d's backward."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
     def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, C)
@@ -258,12 +232,12 @@ class MambaMixer(nn.Module):
                         └─ z ─ SiLU ──────────────────────────────────────── × y ─ out_proj ─ out
 
     Why each piece:
-      - the short causal conv (d_conv = 4 taps) is kept from the H3 block (§3.4); it mixes each
-        channel with the last few tokens, so that Δ, B and C see a local context, not one token;
+      - the short causal conv (4 taps, kept from the H3 block, §3.4) mixes each channel with the
+        last few tokens, so that Δ, B and C see a local context, not one token;
       - the gate SiLU(z) merges the H3 block and a gated MLP into one block (§3.4): one branch
         mixes along the sequence, the other decides per channel what passes;
-      - Δ is low rank (§3.6): dt_rank = d_model/16 numbers per token, which dt_proj brings back
-        to ED channels, cheap next to the projections.
+      - Δ is low rank (§3.6): d_model/16 numbers per token, which dt_proj widens to ED channels,
+        cheap next to the projections.
     """
 
     def __init__(self, cfg: MambaConfig):
@@ -283,7 +257,7 @@ class MambaMixer(nn.Module):
     @torch.no_grad()
     def reset_ssm_parameters(self):
         """The official init of Δ, A and D; MambaLM calls it again after its generic init, which
-        would leave dt_proj's bias at zero (every Δ softplus(0) = 0.69 instead of 0.001..0.1)."""
+        zeroes dt_proj's bias (every Δ would start at softplus(0) = 0.69)."""
         cfg = self.cfg
         std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
         if cfg.dt_init == "constant":
@@ -304,16 +278,15 @@ class MambaMixer(nn.Module):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
-        # the bias added in fp32, as the official delta_bias: in bf16, next to a bias of -2 to -7
-        # (spacing 1/32), the data-dependent part would move in steps of a tenth of its size.
-        # @ Wᵀ made contiguous, not F.linear: the same product, a backward 2-4x faster on a CPU
+        # bias added in fp32 (the official delta_bias): bf16's spacing next to a bias of -2 to -7
+        # is 1/32, a tenth of the data-dependent part. @ Wᵀ, not F.linear: 2-4x faster backward on a CPU
         dt_raw = _at_least_fp32(dt_low @ self.dt_proj.weight.t().contiguous())  # (..., ED) before softplus
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
     def causal_conv(self, x, conv_state=None, seq_idx=None):
-        """The depthwise causal conv (shifted_sum), the sum `step` computes on its rolling buffer.
-        x: (b, L, ED) -> (b, L, ED). conv_state, seq_idx: continuing a cache, packed sequences."""
+        """The depthwise causal conv (shifted_sum), x: (b, L, ED) -> (b, L, ED). conv_state, seq_idx:
+        continuing a cache, packed sequences."""
         width = self.cfg.d_conv
         if conv_state is None:
             x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
@@ -323,11 +296,11 @@ class MambaMixer(nn.Module):
         return _CausalConv.apply(x_pad, self.conv1d.weight[:, 0, :], self.conv1d.bias, keep)  # section 6's backward
 
     def conv_step(self, conv_state, x):
-        """causal_conv at one new position, for `step`: push x (b, ED) into the rolling buffer of the
-        last d_conv inputs, conv_state (b, ED, d_conv), in place; -> (b, ED)."""
+        """causal_conv at one position: push x (b, ED) into the buffer of the last d_conv inputs,
+        conv_state (b, ED, d_conv), in place. -> (b, ED)"""
         conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))  # drop the oldest input
         conv_state[:, :, -1] = x
-        out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED) the conv at one position
+        out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED)
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
@@ -335,19 +308,17 @@ class MambaMixer(nn.Module):
         return conv_buffer_after(x_in, self.cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)  # section 8
 
     def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
-        """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
-        (conv_state, ssm_state) for section 5. cache, seq_idx, attention_mask: section 8."""
+        """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's cache
+        (section 5). cache, seq_idx, attention_mask: section 8."""
         cfg = self.cfg
         conv_state, h0 = (None, None) if cache is None else cache
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
-        if attention_mask is not None:  # padding: zeros into the conv
-            x_in = x_in * attention_mask[..., None]
+        x_in = zero_padding(x_in, attention_mask)  # left padding: zeros into the conv (section 8)
         x = F.silu(self.causal_conv(x_in, conv_state, seq_idx))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
-        if attention_mask is not None:  # and identity steps: Δ = 0 gives dA = 1, dBx = 0
-            delta = delta * attention_mask[..., None]
+        delta = zero_padding(delta, attention_mask)  # and identity steps: Δ = 0 gives dA = 1, dBx = 0
         reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L)
-        # section 6's selective_scan: selective_scan_reference's numbers, with a backward written by hand
+        # section 6: selective_scan_reference's numbers, with a backward written by hand
         y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, h0, backend=cfg.scan_backend,
                                    compile=cfg.compile_scan, return_last_state=True, chunk_size=cfg.chunk_size,
                                    recompute=cfg.recompute, reset=reset)  # (b, L, ED) in x's dtype
@@ -380,12 +351,9 @@ class MambaMixer(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 class Block(nn.Module):
-    """Pre-norm residual block: h = h + mixer(norm(h)); the residual stream stays fp32.
-
-    The official Block is ordered Add -> Norm -> Mixer, so that its kernel fuses the residual add
-    with the next norm: it takes the previous block's output and residual, adds them, normalises,
-    and returns the mixer's output and the new residual. The sums are the same as here, grouped
-    differently; the final norm_f does the last add."""
+    """Pre-norm residual block: h = h + mixer(norm(h)), the residual stream in fp32. The official
+    Block runs Add -> Norm -> Mixer, to fuse the residual add with the norm in one kernel: the same
+    sums, grouped differently."""
 
     def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer):
         super().__init__()
@@ -432,10 +400,9 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self):
-        """The official recipe (mamba_ssm's _init_weights): Linear biases zero, embedding
-        N(0, 0.02) (GPT-2's choice), each out_proj rescaled by 1/sqrt(n_layer) from nn.Linear's
-        own kaiming-uniform (a = sqrt(5)) so the residual stream's variance does not grow with
-        depth; then the SSM parameters again, since the generic pass must not decide them."""
+        """The official _init_weights: Linear biases zero, embedding N(0, 0.02), each out_proj
+        divided by sqrt(n_layer) so that the residual stream does not grow with depth; then the
+        SSM parameters again."""
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -448,34 +415,13 @@ class MambaLM(nn.Module):
             layer.mixer.reset_ssm_parameters()
 
     def optim_groups(self, weight_decay):
-        """AdamW parameter groups: matrices decay; A_log, D, norms and biases do not."""
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():  # tied weights appear once
-            if not p.requires_grad:
-                continue
-            if p.dim() < 2 or name.endswith("A_log"):
-                no_decay.append(p)
-            else:
-                decay.append(p)
-        return [{"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        """AdamW parameter groups: matrices decay; A_log, D, norms and biases do not (section 8)."""
+        return optim_groups(self, weight_decay)
 
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
-
-        Optional, for using a model for real (each checked in the appendix):
-            cache:          a cache as prefill returns it: continue from its states (it is not modified)
-            seq_idx:        (b, L) integers, non-decreasing along a row: packed sequences, each
-                            starting from a zero state where the index changes
-            attention_mask: (b, L) of 0/1, left padding: the 0s are identity steps for the state
-                            and zeros for the conv, so each row computes what it computes alone
-                            (the logits at padded positions mean nothing)
-        """
-        _check_token_ids(input_ids)
-        read_values = want_cache or input_ids.device.type == "cpu"  # reading values off a GPU waits for it: see section 8
-        if read_values:
-            _check_token_range(input_ids, self.cfg.vocab_size)
-        use = _check_use(self, input_ids, cache, seq_idx, attention_mask, read_values)
+        cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8)."""
+        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
         h = self.backbone.embedding(input_ids)  # (b, L, d_model)
         new_cache = []
         for i, layer in enumerate(self.backbone.layers):
@@ -491,18 +437,15 @@ class MambaLM(nn.Module):
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
-    # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv
-    # inputs (b, ED, d_conv) and the SSM state (b, ED, N). So a new token costs the same at
-    # position 10 and at position 10,000, unlike attention, whose KV cache grows with the
-    # context. The prompt is read in one parallel pass (prefill), which also returns these
-    # states; then each token is one `step`: the mixer's step (section 3) in every layer, the
-    # recurrence of section 1 applied once.
+    # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv inputs
+    # (b, ED, d_conv) and the SSM state (b, ED, N). So a token costs the same at position 10 and
+    # 10,000, unlike attention, whose KV cache grows. prefill reads the prompt in one parallel pass
+    # and returns these states; then each token is one `step` of every layer.
 
     @torch.no_grad()
     def prefill(self, input_ids, cache=None, attention_mask=None):
-        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state)). With a
-        cache, continue from it: any split of a sequence into pieces gives the logits and the final
-        cache of one pass. attention_mask: left padding, as in forward."""
+        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state)).
+        cache, attention_mask: continuing a cache, left padding (section 8)."""
         return self.forward(input_ids, want_cache=True, cache=cache, attention_mask=attention_mask)
 
     @torch.no_grad()
@@ -521,12 +464,9 @@ class MambaLM(nn.Module):
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         generator=None, attention_mask=None):
         """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps.
-        attention_mask (b, L): prompts of different lengths, left-padded."""
-        _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)  # before the prefill
+        attention_mask: prompts of different lengths, left-padded (section 8)."""
+        _check_generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask)
         if max_new_tokens == 0:
-            if attention_mask is not None:
-                _check_token_ids(input_ids)
-                _check_use(self, input_ids, None, None, attention_mask)
             return
         logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
@@ -534,13 +474,12 @@ class MambaLM(nn.Module):
             token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
             yield token
             if i + 1 < max_new_tokens:
-                logits = self._step(token, cache)  # a sampled token and our own cache: no checks
+                logits = self._step(token, cache)  # a sampled token, prefill's cache: nothing to check
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  generator=None, attention_mask=None):
-        """input_ids (b, L) -> (b, L + max_new_tokens). top_k=1 (or temperature=0) is greedy.
-        attention_mask (b, L): prompts of different lengths, left-padded."""
+        """input_ids (b, L) -> (b, L + max_new_tokens); top_k=1 or temperature=0 is greedy."""
         new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator,
                                         attention_mask))
         return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
@@ -556,16 +495,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (b, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        # keep the smallest set of tokens whose probabilities sum to at least top_p
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits = top_k_top_p(logits.float() / temperature, top_k, top_p)  # (b, V), section 8
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -1261,7 +1191,7 @@ def load_weights(model, folder, device=None, dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 8. Using a model for real: caches, packed sequences, padding
+# 8. Using a model for real: caches, packed sequences, padding, sampling, weight decay
 # ------------------------------------------------------------------------------------------------
 # Options of MambaLM.forward (and prefill) that serving and training on real data need; none of
 # them changes what the model computes for one whole sequence. Each is checked in the appendix.
@@ -1286,6 +1216,11 @@ def seq_idx_from_cu_seqlens(cu_seqlens):
                          f"increasing, got {cu_seqlens!r}")
     lengths = cu_seqlens.diff()  # (n,)
     return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
+
+
+def zero_padding(t, attention_mask):
+    """t (b, L, ...) with zeros where attention_mask (b, L) is 0 (padding); t itself without a mask."""
+    return t if attention_mask is None else t * attention_mask[..., None]
 
 
 def conv_keep(seq_idx, width, dtype):
@@ -1319,6 +1254,35 @@ def mamba_cache_spec(mixer, batch):
     return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", mixer.conv1d.weight.dtype),
             ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
              _at_least_fp32(mixer.A_log).dtype))
+
+
+def top_k_top_p(logits, top_k=None, top_p=None):
+    """sample_next's filters: logits (b, V) -> (b, V) with -inf outside the top_k tokens and outside
+    the smallest set whose probabilities sum to at least top_p."""
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (b, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def optim_groups(model, weight_decay):
+    """MambaLM.optim_groups: AdamW groups. Matrices decay; A_log (decay would pull every A towards
+    -1), D, norms and biases do not. Tied weights appear once."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2 or name.endswith("A_log"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1452,6 +1416,16 @@ def _check_step_inputs(model, token_ids, cache):
             owners[t.data_ptr()] = f"cache[{i}] {name}"
 
 
+def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask):
+    """forward's arguments; returns the mixers' keyword arguments (_check_use). Values are read
+    where that costs no device sync: CPU ids, or a prefill (want_cache), once per prompt."""
+    _check_token_ids(input_ids)
+    read_values = want_cache or input_ids.device.type == "cpu"
+    if read_values:
+        _check_token_range(input_ids, model.cfg.vocab_size)
+    return _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values)
+
+
 def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=True):
     """forward's cache, seq_idx and attention_mask, checked against input_ids (b, L) and the model,
     their values only with read_values. Returns the mixers' keyword arguments: seq_idx as int64,
@@ -1529,3 +1503,12 @@ def _check_generate_arguments(max_new_tokens, temperature, top_k, top_p):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)
+
+
+def _check_generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask):
+    """generate's arguments, before the prefill; with no new tokens there is no prefill to check
+    the prompt and its mask, so they are checked here."""
+    _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)
+    if max_new_tokens == 0 and attention_mask is not None:
+        _check_token_ids(input_ids)
+        _check_use(model, input_ids, None, None, attention_mask)
