@@ -2,12 +2,12 @@
 mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
 official checkpoints.
 
-Read it top to bottom. Sections 1 to 5 are the whole model, with one exception: how it runs.
-MambaMixer.forward calls section 6's selective_scan, which computes section 2's
-selective_scan_reference (equal to rounding) with a backward written by hand, and its causal
-conv's backward is section 6's too. Section 6 makes it fast, section 7 loads checkpoints,
-section 8 holds what using a model for real adds (continuing a cache, packed sequences, left
-padding), and the input checks wait in an appendix.
+Read it top to bottom. Sections 1 to 5 are the model. Two of their calls run section 6's code:
+MambaMixer.forward's selective_scan computes section 2's selective_scan_reference (equal to
+rounding) and causal_conv's _CausalConv computes section 3's shifted_sum, each with a backward
+written by hand. Section 6 makes it fast, section 7 loads checkpoints, section 8 adds what using a
+model for real needs (caches, packed sequences, padding, sampling, weight decay), and the input
+checks wait in an appendix.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -69,7 +69,7 @@ def _at_least_fp32(t):
 #     h'(t) = A·h(t) + B·x(t),        y(t) = C·h(t)
 #
 # Mamba runs ED of them, one per channel, each with N states; A is diagonal, stored as (ED, N).
-# Sampled with a step Δ and the zero-order hold (eqs. 2, 4):
+# To run on tokens, each is sampled with a step Δ and the zero-order hold (eqs. 2, 4):
 #
 #     h_t = Ā·h_{t-1} + B̄·x_t,      Ā = exp(Δ·A),      B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B ≈ Δ·B
 #
@@ -100,8 +100,8 @@ def discretize(x, delta, A, B):
 # Algorithm 2 (the "S6" layer): discretize every token, run h_t = dA_t·h_{t-1} + dBx_t, read each
 # state out with C_t, then add the skip D·x and gate with SiLU(z) (the block's, §3.4, applied
 # inside the scan as the official kernel does). As dA_t, B_t and C_t change with the token, this
-# is no fixed convolution as in S4 (eq. 3): it has to be scanned (pscan.py). The function mirrors
-# the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py).
+# is no fixed convolution as in S4 (eq. 3): it has to be scanned (pscan.py). selective_scan_reference
+# mirrors the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py).
 #
 # Why fp32 whatever the input dtype: bf16 keeps 8 significant bits, 2^-8 apart just below 1. A
 # decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds to 1.0 and the
@@ -304,7 +304,7 @@ class MambaMixer(nn.Module):
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
-        """The rolling buffer after x_in (b, L, ED): its last d_conv inputs, (b, ED, d_conv)."""
+        """conv_step's buffer after x_in (b, L, ED): its last d_conv inputs, (b, ED, d_conv)."""
         return conv_buffer_after(x_in, self.cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)  # section 8
 
     def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
@@ -328,7 +328,7 @@ class MambaMixer(nn.Module):
         return out, (self.conv_state_after(x_in, conv_state, seq_idx), h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
-        """What prefill's cache holds for this layer; step checks a cache against it (section 8)."""
+        """What prefill's cache holds for this layer (section 8); step checks a cache against it."""
         return mamba_cache_spec(self, batch)
 
     def step(self, hidden, cache):
@@ -1199,13 +1199,15 @@ def load_weights(model, folder, device=None, dtype=None):
 #   cache           a cache as prefill returns it: continue from its states (it is not modified),
 #                   so any split of a sequence into pieces gives the logits and final cache of one pass
 #   seq_idx         (b, L) integers, non-decreasing along a row: packed sequences, each starting from
-#                   a zero state where the index changes (reset: dA = 0 at its first token)
+#                   a zero state where the index changes (reset: dA = 0 at its first token); the
+#                   official varlen boundaries convert with seq_idx_from_cu_seqlens
 #   attention_mask  (b, L) of 0/1, left padding: the 0s are identity steps for the state (Δ = 0,
 #                   so dA = 1 and dBx = 0) and zeros for the conv, so each row computes what it
 #                   computes alone (the logits at padded positions mean nothing)
 #
 # The conv needs the most care: its taps look d_conv-1 tokens back, into the cache's buffer or
-# into the previous packed sequence.
+# into the previous packed sequence. After these, the filters of sample_next (top-k, top-p) and
+# the weight-decay groups of MambaLM.optim_groups.
 
 def seq_idx_from_cu_seqlens(cu_seqlens):
     """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
@@ -1224,8 +1226,8 @@ def zero_padding(t, attention_mask):
 
 
 def conv_keep(seq_idx, width, dtype):
-    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an input of
-    another sequence (the inputs before the first token count as the first sequence's)."""
+    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an
+    input of another sequence (the inputs before the first token count as the first sequence's)."""
     L = seq_idx.shape[1]
     seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, width-1+L)
     return torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(dtype)
