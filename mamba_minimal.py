@@ -2,10 +2,12 @@
 mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
 official checkpoints.
 
-Read it top to bottom. Sections 1 to 5 are the model: a reader who stops at the end of section 5
-has read a complete, correct Mamba (its forward calls section 6's selective_scan, which computes
-section 2's selective_scan_reference faster, to rounding). Section 6 makes it fast, section 7
-loads checkpoints, and the input checks wait in an appendix.
+Read it top to bottom. Sections 1 to 5 are the model. Two of their calls run section 6's code:
+MambaMixer.forward's selective_scan computes section 2's selective_scan_reference (equal to
+rounding) and causal_conv's _CausalConv computes section 3's shifted_sum, each with a backward
+written by hand. Section 6 makes it fast, section 7 loads checkpoints, section 8 adds what using a
+model for real needs (caches, packed sequences, padding, sampling, weight decay), and the input
+checks wait in an appendix.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -14,7 +16,8 @@ loads checkpoints, and the input checks wait in an appendix.
     5. Recurrent inference              prefill, an O(1) step per token, generate  (Mamba.step, selective_state_update)
     6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan()
     7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
-    8. Appendix: input checks
+    8. Using a model for real           caches, packed sequences, padding, sampling, weight decay
+    9. Appendix: input checks
 
 Glossary. One name, one meaning; shape comments use these letters.
 
@@ -54,63 +57,38 @@ import torch.nn.functional as F
 import pscan
 
 def _at_least_fp32(t):
-    """fp16/bf16 -> fp32; fp32 and fp64 stay as they are (the tests run whole models in fp64)."""
+    """fp16/bf16 -> fp32; fp32 and fp64 stay as they are."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 # ------------------------------------------------------------------------------------------------
 # 1. The SSM and its discretization
 # ------------------------------------------------------------------------------------------------
-# A state space model maps an input signal x(t) to an output y(t) through a hidden state h(t)
-# (paper eq. 1):
+# A state space model maps an input x(t) to an output y(t) through a hidden state h(t) (paper eq. 1):
 #
 #     h'(t) = A·h(t) + B·x(t),        y(t) = C·h(t)
 #
-# Mamba runs ED of them side by side, one per channel, each with N states. A is diagonal, so
-# it is stored as one number per (channel, state), (ED, N); B and C are N-vectors shared by
-# the channels. To run on tokens the system is sampled with a step Δ (eq. 2):
+# Mamba runs ED of them, one per channel, each with N states; A is diagonal, stored as (ED, N).
+# To run on tokens, each is sampled with a step Δ and the zero-order hold (eqs. 2, 4):
 #
-#     h_t = Ā·h_{t-1} + B̄·x_t,        y_t = C·h_t
+#     h_t = Ā·h_{t-1} + B̄·x_t,      Ā = exp(Δ·A),      B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B ≈ Δ·B
 #
-# The zero-order hold (eq. 4) takes x to be constant over each step and integrates exactly:
+# Ā is exactly how the state decays over a step, whatever x does; B̄ is kept to first order, Δ·B,
+# as in the official selective_scan_ref. Not plain Euler, whose 1 + Δ·A could leave (0, 1).
 #
-#     Ā = exp(Δ·A),        B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B
+# Why A_log: A = -exp(A_log) < 0 and Δ = softplus(·) > 0 put every decay exp(Δ·A) in (0, 1), and no
+# optimizer step can make A positive. A large Δ forgets the past and takes the input in; a small
+# Δ keeps the past.
 #
-# Ā does not depend on that assumption: exp(Δ·A) is exactly how the state decays over a step of
-# length Δ, whatever x does. The assumption is what makes the B̄ term exact. Mamba keeps Ā, and
-# for B̄ takes its first-order approximation Δ·B ((e^u - 1)/u = 1 + u/2 + ..., with u = Δ·A), as
-# the official selective_scan_ref does (deltaB_u = Δ·B·x). So the step is exact ZOH for A and an
-# Euler-like first-order term for B: not plain Euler, which would also replace exp(Δ·A) by 1 + Δ·A
-# and could leave (0, 1) for a large Δ.
+# Selection (§3.2): Δ, B and C are computed per token from the conv's output. A stays a learned
+# constant: a selective Δ already makes the decay exp(Δ·A) selective (§3.5.2).
 #
-# Stability: A = -exp(A_log) < 0 and Δ = softplus(·) > 0, so every decay exp(Δ·A) lies in
-# (0, 1) and the state can only shrink by itself. A is stored as A_log = log(-A) so that no
-# optimizer step can make it positive. A large Δ forgets the past (decay near 0) and
-# takes the current input in strongly; a small Δ keeps the past (decay near 1) and barely lets
-# the input in.
-#
-# Selection (§3.2, Algorithm 2) is what makes Mamba more than an SSM: Δ, B and C are computed
-# from the input, per token. They come from the conv output x_t, which has seen the last d_conv
-# tokens, not from the current token alone. A stays a learned constant: it reaches the
-# recurrence only through Δ·A, so a selective Δ already makes the decay selective (§3.5.2).
-#
-# Seen from attention: unrolling the recurrence, y_t = Σ_{s≤t} C_t·(dA_{s+1}···dA_t)·Δ_s·B_s·x_s.
-# That is causal linear attention with query C_t, key B_s, value Δ_s·x_s and, instead of a
-# softmax, a decay that the tokens between s and t choose. Mamba-2 (mamba2_minimal.py) makes the
-# decay one scalar per head, so that this sum can be computed as matrix products.
+# Seen from attention: y_t = Σ_{s≤t} C_t·(dA_{s+1}···dA_t)·Δ_s·B_s·x_s is causal linear attention
+# with query C_t, key B_s, value Δ_s·x_s and, instead of a softmax, a decay chosen per token.
 
 def discretize(x, delta, A, B):
-    """The step of the recurrence for every token (or for one token: drop the L below).
-
-    Args:
-        x:     (b, L, ED)  input of the scan
-        delta: (b, L, ED)  step size Δ, positive
-        A:     (ED, N)     continuous state matrix (diagonal, negative)
-        B:     (b, L, N)   input matrix
-    Returns:
-        dA:  (b, L, ED, N)  exp(Δ·A)   the zero-order hold, exact
-        dBx: (b, L, ED, N)  Δ·B·x      the first-order term for B
-    """
+    """x, delta (b, L, ED), A (ED, N), B (b, L, N) -> dA = exp(Δ·A), dBx = Δ·B·x, (b, L, ED, N)
+    each; for one token, drop the L."""
     dA = torch.exp(delta.unsqueeze(-1) * A)  # (b, L, ED, N)
     dBx = (delta * x).unsqueeze(-1) * B.unsqueeze(-2)  # (b, L, ED, N)
     return dA, dBx
@@ -119,25 +97,16 @@ def discretize(x, delta, A, B):
 # ------------------------------------------------------------------------------------------------
 # 2. The selective scan
 # ------------------------------------------------------------------------------------------------
-# Algorithm 2 of the paper (the "S6" layer): discretize every token, run the linear recurrence
-# h_t = dA_t·h_{t-1} + dBx_t over the sequence, and read each state out with C_t. Then add the
-# skip D·x and gate with SiLU(z) (both belong to the block, §3.4; the official kernel applies them
-# inside the scan, and so does this file). Since dA_t = exp(Δ_t·A) changes from token to token, and so do B_t
-# and C_t, the recurrence cannot be unrolled into one fixed convolution kernel as in S4 (eq. 3;
-# pscan.scan_time_invariant shows that case): it has to be scanned,
-# which is what pscan.py is about.
+# Algorithm 2 (the "S6" layer): discretize every token, run h_t = dA_t·h_{t-1} + dBx_t, read each
+# state out with C_t, then add the skip D·x and gate with SiLU(z) (the block's, §3.4, applied
+# inside the scan as the official kernel does). As dA_t, B_t and C_t change with the token, this
+# is no fixed convolution as in S4 (eq. 3): it has to be scanned (pscan.py). selective_scan_reference
+# mirrors the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py).
 #
-# selective_scan_reference is the whole algorithm in a few lines, and the function that
-# section 6's fast path is tested against. It mirrors the official selective_scan_ref
-# (mamba_ssm/ops/selective_scan_interface.py), which runs the recurrence as a Python loop:
-# pscan.scan's "sequential" backend; here pscan.scan picks the backend.
-#
-# Everything runs in fp32 whatever the input dtype, and fp64 goes through unchanged (the tests).
-# Why not bf16: it keeps 8 significant bits, so its numbers are 2^-8 apart just below 1 and 2^-7
-# just above. A decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds
-# to 1.0, and the state never forgets; adding Δ·B·x ≈ 0.001 to a state near 1 moves it by less
-# than half a spacing (0.0039), and the input is rounded away. The state sums hundreds of such
-# small contributions; fp32 keeps 24 bits (spacing 6e-8 just below 1).
+# Why fp32 whatever the input dtype: bf16 keeps 8 significant bits, 2^-8 apart just below 1. A
+# decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds to 1.0 and the
+# state never forgets; Δ·B·x ≈ 0.001 added to a state near 1 is under half a spacing: rounded away.
+# fp32's spacing there is 6e-8.
 
 def skip_and_gate(y, x, D, z):
     """The last two steps of the selective scan: y + D·x, then the gate SiLU(z). (b, L, ED)."""
@@ -149,50 +118,32 @@ def skip_and_gate(y, x, D, z):
 
 
 def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
-    """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z), over materialized tensors.
-
-    Args:
-        x:       (b, L, ED)  input
-        delta:   (b, L, ED)  step size Δ (after softplus)
-        A:       (ED, N)     diagonal state matrix, negative
-        B, C:    (b, L, N)   input and output matrices
-        D:       (ED,)       skip connection, or None
-        z:       (b, L, ED)  gate, or None
-        h0:      (b, ED, N)  initial state, or None for zeros
-        backend: any of pscan.BACKENDS, the scan that runs the recurrence
-        reset:   (b, L) bool or None: True where a packed sequence starts; dA = 0 there, so the
-                 state before it is forgotten (pscan.py section 3)
-    Returns:
-        y: (b, L, ED) and the final state (b, ED, N), both in fp32 (fp64 for fp64 inputs)
-    """
+    """y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z); section 6 is tested against it.
+    x, delta, z: (b, L, ED); A: (ED, N); B, C: (b, L, N); D: (ED,); h0: (b, ED, N) or None;
+    backend: one of pscan.BACKENDS; reset: section 8. -> y (b, L, ED) and the final state
+    (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
     if reset is not None:
         dA = dA.masked_fill(reset[:, :, None, None], 0)
     h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (b, L, ED, N)
-    # y_t = C_t·h_t as a product and a sum, not a matmul: bf16 autocast runs matmuls in bf16, and
-    # the read-out of an fp32 state has to stay fp32 like the state itself
+    # C_t·h_t as a product and a sum: bf16 autocast would run a matmul in bf16
     y = (h * C.unsqueeze(-2)).sum(-1)  # (b, L, ED)
     y = skip_and_gate(y, x, D, z)  # (b, L, ED)
-    # a copy, not the view h[:, -1]: the view would keep all of h, (b, L, ED, N), alive for as
-    # long as the caller keeps the final state (the inference cache keeps it for good)
+    # a copy: the view h[:, -1] would keep all of h alive in a cache
     return y, h[:, -1].clone()  # (b, L, ED), (b, ED, N)
 
 
 # ------------------------------------------------------------------------------------------------
 # 3. The block
 # ------------------------------------------------------------------------------------------------
-# The mixer around the selective scan (the paper's Figure 3, §3.4): project up, a short causal
-# conv, Δ, B and C from its output, the scan, the gate, project down. Its forward can also hand
-# back the layer's state, and its step advances that state by one token: both belong to
-# section 5 (recurrent inference), which says what the state is and why it is all a layer needs.
+# The mixer around the selective scan (Figure 3, §3.4) and its parts; its cache and step belong
+# to section 5.
 
 @dataclass
 class MambaConfig:
-    """Field names follow the official mamba_ssm MambaConfig and Mamba block, and so do the
-    block's defaults (d_state, expand, d_conv, dt_*). d_model, n_layer and vocab_size default to
-    a small character model for Tiny Shakespeare's 65 characters."""
+    """Names and block defaults as the official MambaConfig; the size of a small character model."""
     d_model: int = 128
     n_layer: int = 4
     vocab_size: int = 65
@@ -202,7 +153,7 @@ class MambaConfig:
     d_conv: int = 4
     conv_bias: bool = True
     bias: bool = False
-    dt_min: float = 1e-3  # Δ at init: log-uniform in [dt_min, dt_max], floored at dt_init_floor
+    dt_min: float = 1e-3  # Δ at init: log-uniform in [dt_min, dt_max], at least dt_init_floor
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     dt_scale: float = 1.0
@@ -211,11 +162,11 @@ class MambaConfig:
     pad_vocab_size_multiple: int = 8  # official layout only: aligned shapes run faster on GPUs
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
-    # how to run the selective scan (section 6; not part of a checkpoint's identity)
+    # how section 6 runs the scan, not part of a checkpoint
     scan_backend: str = "auto"
-    compile_scan: Union[bool, str] = False  # False, True or "loop": selective_scan's compile
+    compile_scan: Union[bool, str] = False  # False, True or "loop"
     chunk_size: int = 16
-    recompute: bool = True  # the fused path: hand-written, recomputing backward (vs plain autograd)
+    recompute: bool = True  # the fused path's hand-written backward (vs plain autograd)
 
     def __post_init__(self):
         _check_config(self)  # the appendix
@@ -247,8 +198,8 @@ class RMSNorm(nn.Module):
 
 
 def dt_bias_init(n, cfg):
-    """n initial step sizes Δ, log-uniform in [dt_min, dt_max] and floored at dt_init_floor (the
-    official init, Mamba-2's too), returned as the bias whose softplus gives them: softplus^-1(Δ)."""
+    """n initial Δ, log-uniform in [dt_min, dt_max], at least dt_init_floor (the official init),
+    as the bias whose softplus gives them."""
     u = torch.rand(n)
     dt = torch.exp(u * (math.log(cfg.dt_max) - math.log(cfg.dt_min)) + math.log(cfg.dt_min))
     dt = dt.clamp(min=cfg.dt_init_floor)
@@ -256,11 +207,9 @@ def dt_bias_init(n, cfg):
 
 
 def shifted_sum(x_pad, w, bias=None, keep=None):
-    """The depthwise causal conv as d_conv shifted multiply-adds: out_t = Σ_k w_k·x_pad_{t+k} + bias,
-    where x_pad (b, d_conv-1+L, C) holds the d_conv-1 inputs before the first token (zeros, or a
-    cache's buffer) and then the L tokens; w (C, d_conv); keep (b, L, d_conv) or None: 0 where tap
-    k must not read its input (another sequence's). -> (b, L, C). On a CPU this is much cheaper
-    than nn.Conv1d, whose backward would dominate the training step."""
+    """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, C) is
+    the d_conv-1 inputs before the first token, then the tokens; w (C, d_conv); keep: section 8.
+    -> (b, L, C). On a CPU far cheaper than nn.Conv1d's backward."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
     def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, C)
@@ -274,24 +223,21 @@ def shifted_sum(x_pad, w, bias=None, keep=None):
 
 
 class MambaMixer(nn.Module):
-    """The Mamba block (the official `Mamba` module, named `mixer` in the official tree; the
-    paper's §3.4 and Figure 3). Its forward mirrors the official Mamba.forward / mamba_inner_ref:
+    """The Mamba block (the official `Mamba` module, `mixer` in the official tree; §3.4, Figure 3),
+    its forward as the official Mamba.forward / mamba_inner_ref:
 
       hidden ─ in_proj ─┬─ x ─ causal conv1d ─ SiLU ─┬──────────────── x ─────────────┐
                         │                            └─ x_proj, dt_proj ─ Δ, B, C ────┤
                         │                                  selective scan: y = C·h + D·x
                         └─ z ─ SiLU ──────────────────────────────────────── × y ─ out_proj ─ out
 
-    x is the scan's input; Δ, B and C are computed from the same x, so they see the last d_conv
-    tokens through the conv.
-
-    Why each piece (paper §3.4, §3.6):
-      - the short causal conv (4 taps, inherited from the H3 block) mixes each channel with the
-        last few tokens before the scan, so that Δ, B and C see a local context, not one token;
-      - the gate SiLU(z) merges the H3 block with a gated MLP into one homogeneous block: one
-        branch carries the sequence mixing, the other decides per channel what passes;
-      - Δ is computed at low rank (d_model/16, then dt_proj back to ED channels): one step size
-        per channel from a few numbers per token, cheap next to the projections.
+    Why each piece:
+      - the short causal conv (4 taps, kept from the H3 block, §3.4) mixes each channel with the
+        last few tokens, so that Δ, B and C see a local context, not one token;
+      - the gate SiLU(z) merges the H3 block and a gated MLP into one block (§3.4): one branch
+        mixes along the sequence, the other decides per channel what passes;
+      - Δ is low rank (§3.6): d_model/16 numbers per token, which dt_proj widens to ED channels,
+        cheap next to the projections.
     """
 
     def __init__(self, cfg: MambaConfig):
@@ -299,8 +245,7 @@ class MambaMixer(nn.Module):
         self.cfg = cfg
         ed, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank
         self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
-        # depthwise (one filter per channel) and causal: token t sees t-d_conv+1 .. t. Kept as the
-        # official nn.Conv1d so checkpoints load as they are; causal_conv below computes it.
+        # depthwise and causal (token t sees t-d_conv+1 .. t); an nn.Conv1d so that checkpoints load
         self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
         self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
@@ -311,9 +256,8 @@ class MambaMixer(nn.Module):
 
     @torch.no_grad()
     def reset_ssm_parameters(self):
-        """The official initialization of Δ, A and D. Called again by MambaLM after its generic
-        init, so a pass that resets every Linear cannot leave dt_proj's bias at zero (which would
-        start every Δ at softplus(0) = 0.69 instead of 0.001..0.1)."""
+        """The official init of Δ, A and D; MambaLM calls it again after its generic init, which
+        zeroes dt_proj's bias (every Δ would start at softplus(0) = 0.69)."""
         cfg = self.cfg
         std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
         if cfg.dt_init == "constant":
@@ -334,72 +278,47 @@ class MambaMixer(nn.Module):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
-        # the bias is added in fp32, as the official kernel adds its fp32 `delta_bias`: in bf16,
-        # next to the bias (about -2 to -7 at init, spacing 1/32 there) the data-dependent part
-        # would be quantized in steps of about a tenth of its size
-        # dt_low @ Wᵀ with Wᵀ copied contiguous, not F.linear: the same product, but autograd then
-        # computes both gradients as matmuls with a wide output; F.linear's backward produces the
-        # narrow (..., dt_rank) and (ED, dt_rank) ones, which MKL runs 2-4x slower on a CPU
+        # bias added in fp32 (the official delta_bias): bf16's spacing next to a bias of -2 to -7
+        # is 1/32, a tenth of the data-dependent part. @ Wᵀ, not F.linear: 2-4x faster backward on a CPU
         dt_raw = _at_least_fp32(dt_low @ self.dt_proj.weight.t().contiguous())  # (..., ED) before softplus
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
     def causal_conv(self, x, conv_state=None, seq_idx=None):
-        """The depthwise causal conv, out_t = Σ_k w_k·x_{t-d_conv+1+k} + bias (shifted_sum), the same
-        sum `step` computes on its rolling buffer. x: (b, L, ED) -> (b, L, ED). Optional: conv_state (b, ED, d_conv), a cache's buffer, read
-        instead of zeros before the first token; seq_idx (b, L), packed sequences: a tap never reads
-        an input of another sequence (the buffer counts as the first one's)."""
-        width, L = self.cfg.d_conv, x.shape[1]
-        w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
+        """The depthwise causal conv (shifted_sum), x: (b, L, ED) -> (b, L, ED). conv_state, seq_idx:
+        continuing a cache, packed sequences."""
+        width = self.cfg.d_conv
         if conv_state is None:
             x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
         else:
             x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
-        keep = None  # with seq_idx, (b, L, d_conv): 0 where tap k would read another sequence's input
-        if seq_idx is not None:
-            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, d_conv-1+L)
-            keep = torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(x.dtype)
-        return _CausalConv.apply(x_pad, w, self.conv1d.bias, keep)  # shifted_sum, section 6's backward
+        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # (b, L, d_conv), section 8
+        return _CausalConv.apply(x_pad, self.conv1d.weight[:, 0, :], self.conv1d.bias, keep)  # section 6's backward
 
     def conv_step(self, conv_state, x):
-        """causal_conv at one new position, for `step`: push x (b, ED) into the rolling buffer of the
-        last d_conv inputs, conv_state (b, ED, d_conv), in place; -> (b, ED)."""
+        """causal_conv at one position: push x (b, ED) into the buffer of the last d_conv inputs,
+        conv_state (b, ED, d_conv), in place. -> (b, ED)"""
         conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))  # drop the oldest input
         conv_state[:, :, -1] = x
-        out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED) the conv at one position
+        out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED)
         return out if self.conv1d.bias is None else out + self.conv1d.bias
 
     def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
-        """The rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros before
-        the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
-        tensor, so a cache does not keep the prompt's activations alive. With seq_idx, the inputs of
-        earlier sequences are zeros: the buffer is the last sequence's alone."""
-        d_conv = self.cfg.d_conv
-        x_in = x_in.transpose(1, 2)  # (b, ED, L)
-        if conv_state is None:
-            state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
-        else:
-            state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
-        if seq_idx is not None:
-            seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
-            state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
-        return state.to(self.conv1d.weight.dtype).clone(memory_format=torch.contiguous_format)
+        """conv_step's buffer after x_in (b, L, ED): its last d_conv inputs, (b, ED, d_conv)."""
+        return conv_buffer_after(x_in, self.cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)  # section 8
 
     def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
-        """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
-        (conv_state, ssm_state) for section 5. cache: start from this layer's (conv_state,
-        ssm_state); seq_idx and attention_mask (b, L) as MambaLM.forward takes them, checked there."""
+        """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's cache
+        (section 5). cache, seq_idx, attention_mask: section 8."""
         cfg = self.cfg
         conv_state, h0 = (None, None) if cache is None else cache
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
-        if attention_mask is not None:  # padding: zeros into the conv
-            x_in = x_in * attention_mask[..., None]
+        x_in = zero_padding(x_in, attention_mask)  # left padding: zeros into the conv (section 8)
         x = F.silu(self.causal_conv(x_in, conv_state, seq_idx))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
-        if attention_mask is not None:  # and identity steps: Δ = 0 gives dA = 1, dBx = 0
-            delta = delta * attention_mask[..., None]
+        delta = zero_padding(delta, attention_mask)  # and identity steps: Δ = 0 gives dA = 1, dBx = 0
         reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L)
-        # section 6's selective_scan: selective_scan_reference's numbers, with a backward written by hand
+        # section 6: selective_scan_reference's numbers, with a backward written by hand
         y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, h0, backend=cfg.scan_backend,
                                    compile=cfg.compile_scan, return_last_state=True, chunk_size=cfg.chunk_size,
                                    recompute=cfg.recompute, reset=reset)  # (b, L, ED) in x's dtype
@@ -409,16 +328,11 @@ class MambaMixer(nn.Module):
         return out, (self.conv_state_after(x_in, conv_state, seq_idx), h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
-        """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
-        step checks a cache against it before writing into any layer (section 8)."""
-        cfg = self.cfg
-        return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", self.conv1d.weight.dtype),
-                ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
-                 _at_least_fp32(self.A_log).dtype))
+        """What prefill's cache holds for this layer (section 8); step checks a cache against it."""
+        return mamba_cache_spec(self, batch)
 
     def step(self, hidden, cache):
-        """One token: the recurrent form of forward (section 5), mirroring the official
-        Mamba.step (selective_state_update is its fused kernel for the SSM part).
+        """One token, the recurrent form of forward (section 5; the official Mamba.step).
         hidden: (b, d_model); cache = (conv_state, ssm_state), updated in place. -> (b, d_model)"""
         conv_state, ssm_state = cache  # (b, ED, d_conv), (b, ED, N) fp32
         x, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, ED) each
@@ -437,12 +351,9 @@ class MambaMixer(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 class Block(nn.Module):
-    """Pre-norm residual block: h = h + mixer(norm(h)); the residual stream stays fp32.
-
-    The official Block is ordered Add -> Norm -> Mixer, so that its kernel fuses the residual add
-    with the next norm: it takes the previous block's output and residual, adds them, normalises,
-    and returns the mixer's output and the new residual. The sums are the same as here, grouped
-    differently; the final norm_f does the last add."""
+    """Pre-norm residual block: h = h + mixer(norm(h)), the residual stream in fp32. The official
+    Block runs Add -> Norm -> Mixer, to fuse the residual add with the norm in one kernel: the same
+    sums, grouped differently."""
 
     def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer):
         super().__init__()
@@ -489,10 +400,9 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self):
-        """The official recipe (mamba_ssm's _init_weights): Linear biases zero, embedding
-        N(0, 0.02) (GPT-2's choice), each out_proj rescaled by 1/sqrt(n_layer) from nn.Linear's
-        own kaiming-uniform (a = sqrt(5)) so the residual stream's variance does not grow with
-        depth; then the SSM parameters again, since the generic pass must not decide them."""
+        """The official _init_weights: Linear biases zero, embedding N(0, 0.02), each out_proj
+        divided by sqrt(n_layer) so that the residual stream does not grow with depth; then the
+        SSM parameters again."""
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -505,34 +415,13 @@ class MambaLM(nn.Module):
             layer.mixer.reset_ssm_parameters()
 
     def optim_groups(self, weight_decay):
-        """AdamW parameter groups: matrices decay; A_log, D, norms and biases do not."""
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():  # tied weights appear once
-            if not p.requires_grad:
-                continue
-            if p.dim() < 2 or name.endswith("A_log"):
-                no_decay.append(p)
-            else:
-                decay.append(p)
-        return [{"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        """AdamW parameter groups: matrices decay; A_log, D, norms and biases do not (section 8)."""
+        return optim_groups(self, weight_decay)
 
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
-
-        Optional, for using a model for real (each checked in the appendix):
-            cache:          a cache as prefill returns it: continue from its states (it is not modified)
-            seq_idx:        (b, L) integers, non-decreasing along a row: packed sequences, each
-                            starting from a zero state where the index changes
-            attention_mask: (b, L) of 0/1, left padding: the 0s are identity steps for the state
-                            and zeros for the conv, so each row computes what it computes alone
-                            (the logits at padded positions mean nothing)
-        """
-        _check_token_ids(input_ids)
-        read_values = want_cache or input_ids.device.type == "cpu"  # reading values off a GPU waits for it: see section 8
-        if read_values:
-            _check_token_range(input_ids, self.cfg.vocab_size)
-        use = _check_use(self, input_ids, cache, seq_idx, attention_mask, read_values)
+        cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8)."""
+        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
         h = self.backbone.embedding(input_ids)  # (b, L, d_model)
         new_cache = []
         for i, layer in enumerate(self.backbone.layers):
@@ -548,18 +437,15 @@ class MambaLM(nn.Module):
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
-    # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv
-    # inputs (b, ED, d_conv) and the SSM state (b, ED, N). So a new token costs the same at
-    # position 10 and at position 10,000, unlike attention, whose KV cache grows with the
-    # context. The prompt is read in one parallel pass (prefill), which also returns these
-    # states; then each token is one `step`: the mixer's step (section 3) in every layer, the
-    # recurrence of section 1 applied once.
+    # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv inputs
+    # (b, ED, d_conv) and the SSM state (b, ED, N). So a token costs the same at position 10 and
+    # 10,000, unlike attention, whose KV cache grows. prefill reads the prompt in one parallel pass
+    # and returns these states; then each token is one `step` of every layer.
 
     @torch.no_grad()
     def prefill(self, input_ids, cache=None, attention_mask=None):
-        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state)). With a
-        cache, continue from it: any split of a sequence into pieces gives the logits and the final
-        cache of one pass. attention_mask: left padding, as in forward."""
+        """input_ids (b, L) -> (logits (b, L, V), cache: per layer (conv_state, ssm_state)).
+        cache, attention_mask: continuing a cache, left padding (section 8)."""
         return self.forward(input_ids, want_cache=True, cache=cache, attention_mask=attention_mask)
 
     @torch.no_grad()
@@ -578,12 +464,9 @@ class MambaLM(nn.Module):
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         generator=None, attention_mask=None):
         """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps.
-        attention_mask (b, L): prompts of different lengths, left-padded."""
-        _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)  # before the prefill
+        attention_mask: prompts of different lengths, left-padded (section 8)."""
+        _check_generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask)
         if max_new_tokens == 0:
-            if attention_mask is not None:
-                _check_token_ids(input_ids)
-                _check_use(self, input_ids, None, None, attention_mask)
             return
         logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
@@ -591,13 +474,12 @@ class MambaLM(nn.Module):
             token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
             yield token
             if i + 1 < max_new_tokens:
-                logits = self._step(token, cache)  # a sampled token and our own cache: no checks
+                logits = self._step(token, cache)  # a sampled token, prefill's cache: nothing to check
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  generator=None, attention_mask=None):
-        """input_ids (b, L) -> (b, L + max_new_tokens). top_k=1 (or temperature=0) is greedy.
-        attention_mask (b, L): prompts of different lengths, left-padded."""
+        """input_ids (b, L) -> (b, L + max_new_tokens); top_k=1 or temperature=0 is greedy."""
         new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator,
                                         attention_mask))
         return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
@@ -608,32 +490,12 @@ class MambaLM(nn.Module):
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
 
 
-def seq_idx_from_cu_seqlens(cu_seqlens):
-    """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
-    total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
-        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
-                         f"increasing, got {cu_seqlens!r}")
-    lengths = cu_seqlens.diff()  # (n,)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
-
-
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """logits (b, V) -> token ids (b,). Greedy for temperature 0 or top_k 1."""
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (b, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        # keep the smallest set of tokens whose probabilities sum to at least top_p
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logits = top_k_top_p(logits.float() / temperature, top_k, top_p)  # (b, V), section 8
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -1342,7 +1204,104 @@ def load_weights(model, folder, device=None, dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 8. Appendix: input checks
+# 8. Using a model for real: caches, packed sequences, padding, sampling, weight decay
+# ------------------------------------------------------------------------------------------------
+# Options of MambaLM.forward (and prefill) that serving and training on real data need; none of
+# them changes what the model computes for one whole sequence. Each is checked in the appendix.
+#
+#   cache           a cache as prefill returns it: continue from its states (it is not modified),
+#                   so any split of a sequence into pieces gives the logits and final cache of one pass
+#   seq_idx         (b, L) integers, non-decreasing along a row: packed sequences, each starting from
+#                   a zero state where the index changes (reset: dA = 0 at its first token); the
+#                   official varlen boundaries convert with seq_idx_from_cu_seqlens
+#   attention_mask  (b, L) of 0/1, left padding: the 0s are identity steps for the state (Δ = 0,
+#                   so dA = 1 and dBx = 0) and zeros for the conv, so each row computes what it
+#                   computes alone (the logits at padded positions mean nothing)
+#
+# The conv needs the most care: its taps look d_conv-1 tokens back, into the cache's buffer or
+# into the previous packed sequence. After these, the filters of sample_next (top-k, top-p) and
+# the weight-decay groups of MambaLM.optim_groups.
+
+def seq_idx_from_cu_seqlens(cu_seqlens):
+    """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
+    total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
+                         f"increasing, got {cu_seqlens!r}")
+    lengths = cu_seqlens.diff()  # (n,)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
+
+
+def zero_padding(t, attention_mask):
+    """t (b, L, ...) with zeros where attention_mask (b, L) is 0 (padding); t itself without a mask."""
+    return t if attention_mask is None else t * attention_mask[..., None]
+
+
+def conv_keep(seq_idx, width, dtype):
+    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an
+    input of another sequence (the inputs before the first token count as the first sequence's)."""
+    L = seq_idx.shape[1]
+    seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, width-1+L)
+    return torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(dtype)
+
+
+def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
+    """The conv's rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros
+    before the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
+    tensor of `dtype`, so a cache does not keep the prompt's activations alive. With seq_idx, the
+    inputs of earlier sequences are zeros: the buffer is the last sequence's alone."""
+    x_in = x_in.transpose(1, 2)  # (b, ED, L)
+    if conv_state is None:
+        state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
+    else:
+        state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
+    if seq_idx is not None:
+        seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
+        state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
+    return state.to(dtype).clone(memory_format=torch.contiguous_format)
+
+
+def mamba_cache_spec(mixer, batch):
+    """MambaMixer.cache_spec: the layer's cache as (name, shape, what the dims are, dtype); the
+    SSM state is fp32 at least, like the scan."""
+    cfg = mixer.cfg
+    return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", mixer.conv1d.weight.dtype),
+            ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
+             _at_least_fp32(mixer.A_log).dtype))
+
+
+def top_k_top_p(logits, top_k=None, top_p=None):
+    """sample_next's filters: logits (b, V) -> (b, V) with -inf outside the top_k tokens and outside
+    the smallest set whose probabilities sum to at least top_p."""
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (b, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def optim_groups(model, weight_decay):
+    """MambaLM.optim_groups: AdamW groups. Matrices decay; A_log (decay would pull every A towards
+    -1), D, norms and biases do not. Tied weights appear once."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2 or name.endswith("A_log"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. Appendix: input checks
 # ------------------------------------------------------------------------------------------------
 # Bad input gets an error that names what was expected, before any work is done. None of these
 # checks reads a tensor's values except _check_token_range and _check_use's checks of seq_idx and
@@ -1472,6 +1431,16 @@ def _check_step_inputs(model, token_ids, cache):
             owners[t.data_ptr()] = f"cache[{i}] {name}"
 
 
+def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask):
+    """forward's arguments; returns the mixers' keyword arguments (_check_use). Values are read
+    where that costs no device sync: CPU ids, or a prefill (want_cache), once per prompt."""
+    _check_token_ids(input_ids)
+    read_values = want_cache or input_ids.device.type == "cpu"
+    if read_values:
+        _check_token_range(input_ids, model.cfg.vocab_size)
+    return _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values)
+
+
 def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=True):
     """forward's cache, seq_idx and attention_mask, checked against input_ids (b, L) and the model,
     their values only with read_values. Returns the mixers' keyword arguments: seq_idx as int64,
@@ -1549,3 +1518,12 @@ def _check_generate_arguments(max_new_tokens, temperature, top_k, top_p):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     _check_sampling(temperature, top_k, top_p)
+
+
+def _check_generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask):
+    """generate's arguments, before the prefill; with no new tokens there is no prefill to check
+    the prompt and its mask, so they are checked here."""
+    _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)
+    if max_new_tokens == 0 and attention_mask is not None:
+        _check_token_ids(input_ids)
+        _check_use(model, input_ids, None, None, attention_mask)

@@ -356,6 +356,8 @@ def test_bad_masks_seq_idx_and_caches_raise_errors_that_name_the_expectation(nam
     for mask in (ones[:, :5], ones.double(), ones[0]):
         with pytest.raises(ValueError, match=r"attention_mask must be a bool or integer tensor of shape \(2, 6\)"):
             model.generate(ids, 2, attention_mask=mask)
+        with pytest.raises(ValueError, match=r"attention_mask must be a bool or integer tensor of shape \(2, 6\)"):
+            model.generate(ids, 0, attention_mask=mask)  # no prefill to check it: generate checks it
     with pytest.raises(ValueError, match="seq_idx must be non-decreasing"):
         model(ids, seq_idx=torch.tensor([[0, 0, 1, 1, 0, 2], [0] * 6]))
     for seq_idx in (ones[:, :5], ones.double(), ones[None]):
