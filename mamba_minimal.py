@@ -84,7 +84,7 @@ def _at_least_fp32(t):
 # constant: a selective Δ already makes the decay exp(Δ·A) selective (§3.5.2).
 #
 # Seen from attention: y_t = Σ_{s≤t} C_t·(dA_{s+1}···dA_t)·Δ_s·B_s·x_s is causal linear attention
-# with query C_t, key B_s, value Δ_s·x_s and, instead of a softmax, a decay chosen per token.
+# with query C_t, key B_s, value Δ_s·x_s and, instead of a softmax, a decay the tokens choose.
 
 def discretize(x, delta, A, B):
     """x, delta (b, L, ED), A (ED, N), B (b, L, N) -> dA = exp(Δ·A), dBx = Δ·B·x, (b, L, ED, N)
@@ -104,7 +104,7 @@ def discretize(x, delta, A, B):
 # mirrors the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py).
 #
 # Why fp32 whatever the input dtype: bf16 keeps 8 significant bits, 2^-8 apart just below 1. A
-# decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest channel at init) rounds to 1.0 and the
+# decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest state at init) rounds to 1.0 and the
 # state never forgets; Δ·B·x ≈ 0.001 added to a state near 1 is under half a spacing: rounded away.
 # fp32's spacing there is 6e-8.
 
@@ -207,18 +207,18 @@ def dt_bias_init(n, cfg):
 
 
 def shifted_sum(x_pad, w, bias=None, keep=None):
-    """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, C) is
-    the d_conv-1 inputs before the first token, then the tokens; w (C, d_conv); keep: section 8.
-    -> (b, L, C). On a CPU far cheaper than nn.Conv1d's backward."""
+    """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, ED) is
+    the d_conv-1 inputs before the first token, then the tokens; w (ED, d_conv); keep: section 8.
+    -> (b, L, ED). On a CPU far cheaper than nn.Conv1d's backward."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
-    def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, C)
+    def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, ED)
         shifted = x_pad[:, k:k + L]
         return shifted if keep is None else shifted * keep[:, :, k, None]
 
     out = tap(0) * w[:, 0] if bias is None else torch.addcmul(bias, tap(0), w[:, 0])
     for k in range(1, width):
-        out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, C)
+        out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, ED)
     return out
 
 
@@ -341,7 +341,7 @@ class MambaMixer(nn.Module):
         x32, B, C, z = (_at_least_fp32(t) for t in (x, B, C, z))
         dA, dBx = discretize(x32, delta, self.A, B)  # (b, ED, N) each: one token
         ssm_state.copy_(torch.addcmul(dBx, dA, ssm_state))  # h = dA·h + dBx
-        y = (ssm_state @ C.unsqueeze(-1)).squeeze(-1)  # (b, ED)  C·h
+        y = (ssm_state * C.unsqueeze(1)).sum(-1)  # (b, ED)  C·h, in fp32 (a matmul would be bf16 under autocast)
         y = skip_and_gate(y, x32, self.D.to(x32.dtype), z)  # (b, ED)
         return self.out_proj(y.to(x.dtype))  # (b, d_model)
 
@@ -351,7 +351,7 @@ class MambaMixer(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 class Block(nn.Module):
-    """Pre-norm residual block: h = h + mixer(norm(h)), the residual stream in fp32. The official
+    """Pre-norm residual block: hidden = hidden + mixer(norm(hidden)), the residual stream in fp32. The official
     Block runs Add -> Norm -> Mixer, to fuse the residual add with the norm in one kernel: the same
     sums, grouped differently."""
 
@@ -361,18 +361,18 @@ class Block(nn.Module):
         self.mixer = mixer_cls(cfg)  # mamba2_minimal.py passes its Mamba2Mixer, as the official create_block does
         self.residual_in_fp32 = cfg.residual_in_fp32
 
-    def _residual(self, h):
-        return _at_least_fp32(h) if self.residual_in_fp32 else h
+    def _residual(self, hidden):
+        return _at_least_fp32(hidden) if self.residual_in_fp32 else hidden
 
-    def forward(self, h, want_cache=False, **use):  # use: the mixer's cache, seq_idx, attention_mask
-        out = self.mixer(self.norm(h), want_cache, **use)
+    def forward(self, hidden, want_cache=False, **use):  # use: the mixer's cache, seq_idx, attention_mask
+        out = self.mixer(self.norm(hidden), want_cache, **use)
         if want_cache:
             out, cache = out
-            return self._residual(h) + out, cache
-        return self._residual(h) + out
+            return self._residual(hidden) + out, cache
+        return self._residual(hidden) + out
 
-    def step(self, h, cache):
-        return self._residual(h) + self.mixer.step(self.norm(h), cache)
+    def step(self, hidden, cache):
+        return self._residual(hidden) + self.mixer.step(self.norm(hidden), cache)
 
 
 class MixerModel(nn.Module):
@@ -422,16 +422,16 @@ class MambaLM(nn.Module):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
         cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8)."""
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
-        h = self.backbone.embedding(input_ids)  # (b, L, d_model)
+        hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)
         new_cache = []
         for i, layer in enumerate(self.backbone.layers):
             layer_use = dict(use, cache=cache[i]) if cache is not None else use
             if want_cache:
-                h, layer_cache = layer(h, want_cache=True, **layer_use)
+                hidden, layer_cache = layer(hidden, want_cache=True, **layer_use)
                 new_cache.append(layer_cache)
             else:
-                h = layer(h, **layer_use)  # (b, L, d_model)
-        logits = self.lm_head(self.backbone.norm_f(h))  # (b, L, V)
+                hidden = layer(hidden, **layer_use)  # (b, L, d_model)
+        logits = self.lm_head(self.backbone.norm_f(hidden))  # (b, L, V)
         return (logits, new_cache) if want_cache else logits
 
     # --------------------------------------------------------------------------------------------
@@ -455,10 +455,10 @@ class MambaLM(nn.Module):
         return self._step(token_ids, cache)
 
     def _step(self, token_ids, cache):
-        h = self.backbone.embedding(token_ids)  # (b, d_model)
+        hidden = self.backbone.embedding(token_ids)  # (b, d_model)
         for layer, layer_cache in zip(self.backbone.layers, cache):
-            h = layer.step(h, layer_cache)  # (b, d_model)
-        return self.lm_head(self.backbone.norm_f(h))  # (b, V)
+            hidden = layer.step(hidden, layer_cache)  # (b, d_model)
+        return self.lm_head(self.backbone.norm_f(hidden))  # (b, V)
 
     @torch.no_grad()
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
@@ -526,13 +526,14 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 #       grad_A = Σ_{b,t} G_t·h_{t-1}·dA_t·Δ_t                              grad_h0 = dA_0·G_0
 #
 # The eager forward has every state in memory anyway, so each Σ above is a pass over the whole
-# sequence, and G is one reverse scan, run in place by the forward's own backend. The forward
+# sequence, and G is one reverse scan, run by the forward's own backend (in place for the
+# "sequential" and "pscan" backends that "auto" picks). The forward
 # keeps its inputs, the decays dA and the states h: recomputing dA would save memory, but exp is
 # the dearest op of the forward (`python bench.py profile`). On a CPU, what these passes cost is
 # memory traffic: a (b, L, N, ED) tensor (3.1 MB at the trainer's shape) is larger than a core's
 # L2 cache, so each pass over a whole one goes out to the L3 cache or to memory. The backward
-# therefore works one state n at a time, on (b, L, ED) slices that stay in cache while several
-# sums use them, and writes no (b, L, N, ED) tensor besides G.
+# therefore works one state n at a time: several sums read each (b, L, ED) slice of G, dA and h
+# (0.8 MB) in turn while it is still in cache, instead of making a pass over each whole tensor.
 #
 # Layout: inside _SelectiveScan the states are (b, L, N, ED), ED last, not section 1's
 # (b, L, ED, N). With N as small as 4, a last dimension of N would make every broadcast and every
@@ -571,8 +572,8 @@ def _autocast_off(device):
 
 class _SelectiveScan(torch.autograd.Function):
     """selective_scan_reference's forward; the backward above. Takes fp32 or fp64 tensors, and
-    computes in their dtype whatever autocast says: under bf16 autocast a matmul would round the
-    read-out C·h, and the states it saves for the backward, to bf16."""
+    computes in their dtype whatever autocast says: under bf16 autocast the read-out C·h, a
+    matmul, would be rounded to bf16."""
 
     @staticmethod
     def forward(ctx, x, delta, A, B, C, D, z, h0, backend, reset):
@@ -622,14 +623,14 @@ class _SelectiveScan(torch.autograd.Function):
                 grad_B[..., n] = torch.linalg.vecdot(G_n, delta_x)  # Σ_ed G·Δ·x
                 grad_C[..., n] = torch.linalg.vecdot(h_n, grad_y)  # Σ_ed grad_y·h
                 GB.addcmul_(G_n, B[..., n, None])
-                d_dA = G_n * dA_n  # dLoss/d(Δ_t·A) = G_t·dA_t·h_{t-1}
-                d_dA[:, 1:].mul_(h_n[:, :-1])
+                through_dA = G_n * dA_n  # dLoss/d(Δ_t·A) = G_t·dA_t·h_{t-1}
+                through_dA[:, 1:].mul_(h_n[:, :-1])
                 if h_start is None:
-                    d_dA[:, 0].zero_()
+                    through_dA[:, 0].zero_()
                 else:
-                    d_dA[:, 0].mul_(h_start[:, n])
-                through_A.addcmul_(d_dA, A[:, n])
-                grad_A[:, n] = d_dA.mul_(delta).sum((0, 1))
+                    through_dA[:, 0].mul_(h_start[:, n])
+                through_A.addcmul_(through_dA, A[:, n])
+                grad_A[:, n] = through_dA.mul_(delta).sum((0, 1))
             grad_x = delta * GB  # (b, L, ED)
             grad_delta = through_A.addcmul_(x, GB)  # (b, L, ED)
             grad_D = grad_h0 = None
@@ -723,11 +724,12 @@ class _CausalConv(torch.autograd.Function):
 # Sequential in time, parallel across channels: this is what makes the fused path fast on a CPU.
 # Each chunk runs its T steps one after another from the carried state, and every step is one
 # vector operation over the b·ED·N independent recurrences, which fill the CPU's vector lanes, as
-# each thread of the official kernel walks its own consecutive steps in order. The parallel scans
+# each thread of the official kernel walks its few consecutive steps in order. The parallel scans
 # of pscan.py are a lesson about depth (how few dependent steps the recurrence needs given enough
-# processors), not what makes a CPU fast: a few cores cannot repay their extra work. Nor is this
-# pscan.py's two-level scan (its section 7), which scans every chunk from a zero state and then
-# corrects each by its carried-in state: here there is no summary scan and no correction pass.
+# processors), not what makes a CPU fast: a few cores cannot repay their extra work (where pscan
+# beats the loop in training, it is by needing fewer autograd nodes than the loop's L steps, as
+# pscan.py's appendix C says). Nor is this pscan.py's two-level scan (its section 7), which scans
+# every chunk from a zero state and corrects each by its carried-in state: no correction pass here.
 #
 # The chunk length T = 16 (chunk_size) was measured: 32 halves the number of calls but trains
 # slower (the backward kernel grows) and compiles twice as long.
@@ -870,7 +872,7 @@ def _chunk_loop(x, delta, A, B, C, D, z, h):
     K chunks of T steps; h: the start state (b, ED, N). Returns y (b, K, T, ED) and the end state.
     torch's scan operator, carry, ys = scan(f, init, xs), calls f(carry, chunk k) for k = 0..K-1
     and stacks the ys; compiled, Inductor turns it into a loop around the fused chunk kernel, so
-    the per-call cost of this section's introduction is paid once per sequence instead of per chunk."""
+    the per-call cost of "The loop over chunks" above is paid once per sequence instead of per chunk."""
     def one_chunk(h, chunk):
         x_c, delta_c, B_c, C_c, *z_c = chunk  # (b, T, ·); z_c: [] when there is no gate
         y, h = _scan_chunk(x_c, delta_c, A, B_c, C_c, D, z_c[0] if z_c else None, h)
@@ -948,7 +950,7 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     return torch.cat(ys, dim=1)[:, :l], h  # (b, L, ED), (b, ED, N)
 
 
-chunked_selective_scan = fused_selective_scan  # deprecated alias: "chunked" now names Mamba-2's SSD form only
+chunked_selective_scan = fused_selective_scan  # deprecated alias: "chunked" names Mamba-2's SSD form
 
 
 # The public entry point. It takes the arguments of the official selective_scan_fn, except that Δ

@@ -4,8 +4,9 @@ pscan.py: the recurrence at the heart of Mamba, and every way to run it
     h_t = a_t * h_{t-1} + b_t          t = 0 .. L-1, from h_{-1} = h0 (zero by default)
 
 In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) a_t = exp(Δ_t·A) is a decay in
-(0, 1) and b_t = Δ_t·B_t·x_t, elementwise over every (channel, state) pair (mamba_minimal.py).
-The lesson: 1. the loop (scan_sequential, the oracle), 2. the convolution view (why S4 needed no
+(0, 1) and b_t = Δ_t·B_t·x_t (the official code's first-order form of the paper's B̄_t·x_t),
+elementwise over every (channel, state) pair (mamba_minimal.py).
+The lesson: 1. the loop (scan_sequential), 2. the convolution view (why S4 needed no
 scan), 3. the combine rule, 4. work and depth, 5. the Brent-Kung tree (pscan), 6. the
 Hillis-Steele scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan().
 An appendix holds the engine: A. double backward, jvp, vmap; B. torch's associative_scan;
@@ -29,9 +30,9 @@ __all__ = ["scan_sequential", "scan_time_invariant", "pscan", "scan_hillis_steel
 # ------------------------------------------------------------------------------------------------
 # 1. The loop
 # ------------------------------------------------------------------------------------------------
-# L dependent steps, each an elementwise multiply-add: exact and simple, the oracle that
-# test_scan.py checks every other backend against. Its weakness is depth: step t cannot start
-# before step t-1 has finished.
+# L dependent steps, each an elementwise multiply-add: simple, and the yardstick of every other
+# backend (test_scan.py checks them all, this one included, against a float64 loop of its own).
+# Its weakness is depth: step t cannot start before step t-1 has finished.
 
 def scan_sequential(a, b, h0=None):
     """The loop. Differentiable through plain autograd (backward linear in L).
@@ -52,7 +53,7 @@ def scan_sequential(a, b, h0=None):
     return torch.stack(hs, dim=1).to(a.dtype)  # (batch, L, *rest)
 
 # Why fp32 for half inputs: with a_t close to 1 the state is a long running sum, and a small b_t
-# below half its spacing (fp16 keeps 11 significant bits, bf16 8) is rounded away.
+# below half the state's spacing (fp16 keeps 11 significant bits, bf16 8) is rounded away.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,7 +137,7 @@ def _combine(first, then):
 # over strided views, half the size of the level before. After it, the right element of every
 # pair holds the whole block it closes. Down-sweep: walk back down; the left element of every
 # pair except the first receives the finished prefix that ends just before it. For L = 8, with
-# x_t = (a_t, b_t):
+# x_t = (a_t, b_t) (the code keeps the b-parts in x and the a-parts in w):
 #
 #   t:        0      1      2      3      4      5      6      7
 #             x0     x1     x2     x3     x4     x5     x6     x7
@@ -255,7 +256,7 @@ def _hillis_steele(x, w, reverse=False):
 # combines; at L = 1024 the count (step 3's cumprod left out) is 2895 at T = 64, 2045 at T = 2,
 # above pscan's 2036 at every T < L: chunking buys locality, not depth or work.
 #
-# Any T is exact: a chunk's a-product may underflow to 0, but it only scales a carried state
+# Any T works: a chunk's a-product may underflow to 0, but it only scales a carried state
 # whose true contribution is then as small. (Dividing by it, h_t = p_t·Σ_{s<=t} b_s/p_s, would
 # give inf·0 = NaN.)
 
@@ -376,22 +377,22 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
     return _TwoLevel.apply(a, b, h0, dtype, chunk_size).to(a.dtype)
 
 
-scan_chunked = scan_two_level  # another name for the same function, kept for callers
+scan_chunked = scan_two_level  # deprecated alias ("chunked" names Mamba-2's SSD form, mamba2_minimal.py)
 
 
 # ------------------------------------------------------------------------------------------------
 # 9. One entry point
 # ------------------------------------------------------------------------------------------------
 # "auto" runs pscan, or the loop for forward-only passes over wide steps on one CPU thread
-# (appendix C). Hillis-Steele and the two-level scan teach and count: on a CPU both are slower
-# than pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B).
+# (appendix C). Hillis-Steele and the two-level scan teach and count: on the CPUs of RESULTS.md
+# both are slower than pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B).
 
 BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative")
 
 
 def scan(a, b, h0=None, backend="auto"):
     """Run the recurrence with the chosen backend; "auto" picks by device, width, threads and autograd."""
-    if backend == "chunked":  # the two-level scan's earlier name; "chunked" now names Mamba-2's SSD form
+    if backend == "chunked":  # deprecated: "chunked" names Mamba-2's SSD form (mamba2_minimal.py)
         warnings.warn('pscan.scan: backend="chunked" is deprecated, it is the two-level scan: use "two_level"',
                       DeprecationWarning, stacklevel=2)
         backend = "two_level"

@@ -472,13 +472,13 @@ def parse_args(argv=None):
     m.add_argument("--n-head", type=int, help="gpt: attention heads")
     m.add_argument("--scan-backend", choices=SCAN_BACKENDS)
     m.add_argument("--compile", action="store_true",
-                   help="mamba: run the selective scan through the fused, compiled chunked path (it pays at "
+                   help="mamba: run the selective scan through the fused path, compiled (it pays at "
                         "--d-state 16; at the CPU default's N = 4 the eager path is as fast); mamba2: "
                         "torch.compile each mixer")
     m.add_argument("--compile-model", action="store_true",
                    help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
     m.add_argument("--no-recompute", dest="recompute", action="store_false",
-                   help="chunked paths: plain autograd instead of the recomputing backward (more memory)")
+                   help="the fused path: plain autograd instead of the recomputing backward (more memory)")
     t = p.add_argument_group("training (defaults depend on the device)")
     t.add_argument("--block-size", type=int)
     t.add_argument("--batch-size", type=int, help="per process")
@@ -487,7 +487,7 @@ def parse_args(argv=None):
                    help="train for this many seconds instead, compiling and evaluating included (time-based run)")
     t.add_argument("--lr", type=float, help="peak learning rate")
     t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
-    t.add_argument("--warmup-iters", type=int, help="iteration-based runs: steps of linear warmup")
+    t.add_argument("--warmup-iters", type=int, help="steps of linear warmup (time-based runs too)")
     t.add_argument("--lr-decay-iters", type=int, help="iteration-based runs: length of the cosine decay (default max-iters)")
     t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
     t.add_argument("--weight-decay", type=float, default=0.1)
