@@ -8,7 +8,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py train         # one training step: the default Mamba, its alternatives, Mamba-2, the same-size GPT
     python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
     python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
-    python bench.py sweep --max-time 300  # the grid that chose both models' CPU defaults (SWEEP_GRID)
+    python bench.py sweep --max-time 300 [--round 2]  # the grid that chose both models' CPU defaults
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
@@ -612,14 +612,22 @@ SWEEP_GRID = {
     "gpt": [[], ["--lr", "5e-4"], ["--lr", "2e-3"], ["--n-layer", "6", "--d-model", "112"],
             ["--n-layer", "2", "--d-model", "192", "--n-head", "6"], ["--batch-size", "24"]],
 }
+# Round 2 (--round 2), two points each around round 1's winners (Mamba: 5 layers of width 160; the
+# GPT: 2 layers of width 192, and lr 2e-3): shallower and wider again, and the GPT's two combined.
+SWEEP_ROUND_2 = {
+    "mamba": [["--n-layer", "4", "--d-model", "176"], ["--n-layer", "3", "--d-model", "208"]],
+    "gpt": [["--n-layer", "2", "--d-model", "192", "--n-head", "6", "--lr", "2e-3"],
+            ["--n-layer", "3", "--d-model", "160", "--n-head", "5", "--lr", "2e-3"]],
+}
 
 
 def bench_sweep(args, device):
     """SWEEP_GRID: every point trained by train_shakespeare.py for --max-time seconds, paired as
     above; per model, each point's steps, ms per step and best val against its defaults'."""
-    out_root = args.out_dir or os.path.join("out", "sweep")
+    out_root = os.path.join(args.out_dir or os.path.join("out", "sweep"), f"round-{args.round}")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
-    pairs = list(zip(SWEEP_GRID["mamba"], SWEEP_GRID["gpt"]))
+    grid = SWEEP_ROUND_2 if args.round == 2 else SWEEP_GRID
+    pairs = list(zip(grid["mamba"], grid["gpt"]))
     results = {"mamba": [], "gpt": []}
     for i, (mamba_flags, gpt_flags) in enumerate(pairs):
         print(f"point {i + 1}/{len(pairs)}", flush=True)
@@ -630,9 +638,11 @@ def bench_sweep(args, device):
             results[name].append((" ".join(flags[2:] if name == "gpt" else flags) or "(defaults)", steps, ms,
                                   min(v for _, v in curve)))
     for name, rows in results.items():
-        default = rows[0][3]
-        table(f"{name}: {args.max_time:g} s each, one thread, best val", ["flags", "steps", "ms/step", "best val",
-              "- defaults'"], [[f, str(n), f"{ms:.0f}", f"{v:.4f}", f"{v - default:+.4f}"] for f, n, ms, v in rows])
+        default = rows[0][3] if args.round != 2 else None  # round 2 has no defaults' row: compare across runs
+        table(f"{name}: round {args.round}, {args.max_time:g} s each, one thread, best val",
+              ["flags", "steps", "ms/step", "best val"] + (["- defaults'"] if default else []),
+              [[f, str(n), f"{ms:.0f}", f"{v:.4f}"] + ([f"{v - default:+.4f}"] if default else [])
+               for f, n, ms, v in rows])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1146,6 +1156,7 @@ def main():
     r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
     r.add_argument("--racers", default="gpt,mamba",
                    help="comma-separated: gpt, mamba, mamba2, mamba3 (default gpt,mamba; the margin is first - second)")
+    r.add_argument("--round", type=int, choices=(1, 2), default=1, help="sweep: SWEEP_GRID (1) or SWEEP_ROUND_2 (2)")
     r.add_argument("--together", action="store_true",
                    help="train a run's models at the same time, one thread each (default: one after the other)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
