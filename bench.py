@@ -421,7 +421,7 @@ def bench_train(args, device):
     Mamba-2's default, with the alternatives beside it: d_state 16, each scan backend, the fused
     path eager and compiled."""
     import mamba2_minimal as m2
-    d_model = 384 if device.type == "cuda" else 128
+    gpu = dict(d_model=384, n_layer=7) if device.type == "cuda" else {}  # on a GPU: wider, as the GPU defaults
     batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
@@ -434,21 +434,38 @@ def bench_train(args, device):
                      ("mamba d_state 16, fused compiled", dict(d_state=16, compile_scan=True))]:
         if args.quick and kw.get("compile_scan"):
             continue
-        models[name] = trainer_mamba(vocab, d_model=d_model, **kw)
+        models[name] = trainer_mamba(vocab, **dict(gpu, **kw))
     torch.manual_seed(0)
     models["mamba2 default"] = m2.Mamba2LM(m2.Mamba2Config(
         vocab_size=vocab, chunk_size=block, **MAMBA2_CPU_CANDIDATES["mamba2 128 x 7, headdim 64, d_state 64"]))
-    torch.manual_seed(0)
-    models["GPT (yardstick)"] = TinyGPT(GPTConfig(vocab_size=vocab, d_model=d_model, block_size=block))
+    models["GPT (yardstick)"] = trainer_gpt(vocab, block, **(dict(d_model=384, n_layer=4) if gpu else {}))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}, d_model {d_model}",
+    shapes = {name: trainer_default(name, "d_model", "n_layer") for name in ("mamba", "gpt")}
+    training_step_table(f"one training step (forward, backward, AdamW), batch {batch}, block {block}; "
+                        + ("d_model 384" if gpu else "; ".join(f"{name} {s['n_layer']} x {s['d_model']}"
+                                                               for name, s in shapes.items())),
                         models, ids, vocab, args, device, autocast)
 
 
+def trainer_default(arch, *keys):
+    """The values of keys in train_shakespeare.py's CPU defaults for arch ("mamba" or "gpt")."""
+    from train_shakespeare import ARCH_DEFAULTS, DEFAULTS
+    settings = dict(DEFAULTS["cpu"], **ARCH_DEFAULTS[arch].get("cpu", {}))
+    return {key: settings[key] for key in keys}
+
+
 def trainer_mamba(vocab, **kw):
-    """The trainer's default CPU Mamba (train_shakespeare.py: d_model 128, 7 layers, d_state 4)."""
+    """The trainer's default CPU Mamba (its d_model, n_layer and d_state), kw overriding them."""
     torch.manual_seed(0)
-    return mm.MambaLM(mm.MambaConfig(**dict(dict(d_model=128, n_layer=7, vocab_size=vocab, d_state=4), **kw)))
+    shape = trainer_default("mamba", "d_model", "n_layer", "d_state")
+    return mm.MambaLM(mm.MambaConfig(**dict(shape, vocab_size=vocab, **kw)))
+
+
+def trainer_gpt(vocab, block, **kw):
+    """The trainer's default CPU GPT yardstick (its d_model, n_layer and n_head), kw overriding them."""
+    torch.manual_seed(0)
+    shape = trainer_default("gpt", "d_model", "n_layer", "n_head")
+    return TinyGPT(GPTConfig(**dict(shape, vocab_size=vocab, block_size=block, **kw)))
 
 
 PROFILE_GROUPS = {  # op name -> what it is doing, for the summary row of bench_profile
@@ -464,8 +481,7 @@ def bench_profile(args, device):
     batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     torch.manual_seed(0)
-    models = {"mamba (trainer's default)": trainer_mamba(vocab),
-              "GPT (yardstick)": TinyGPT(GPTConfig(vocab_size=vocab, d_model=128, block_size=block))}
+    models = {"mamba (trainer's default)": trainer_mamba(vocab), "GPT (yardstick)": trainer_gpt(vocab, block)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for name, model in models.items():
         step = training_step(model.to(device), ids, vocab)
