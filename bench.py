@@ -1045,7 +1045,7 @@ def gpu_training(args, arch, timeout_s):
         cmd += ["--data", args.data]
     if args.tiny:  # a toy model of two Mamba-2 chunks per block (chunk 64), as the CUDA default has four
         cmd += ["--d-model", "32", "--n-layer", "2", "--block-size", "128", "--batch-size", "8",
-                "--eval-iters", "2", "--log-interval", "2", "--dtype", "bf16"]
+                "--eval-iters", "2", "--log-interval", "2", "--dtype", "bf16"] + (["--n-head", "4"] if arch == "gpt" else [])
     print("$ " + shlex.join(["python"] + cmd[1:]), flush=True)
     text, status = run_capped(cmd, timeout_s)
     rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", text)]

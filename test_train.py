@@ -780,13 +780,16 @@ def defaults_for(argv):
     return args
 
 
-def test_gpt_defaults_are_nanogpts_readme_cpu_run():
+def test_gpt_defaults_are_nanogpts_readme_cpu_run_at_the_swept_shape():
     args = defaults_for(["--arch", "gpt"])
-    nanogpt = dict(n_layer=4, n_head=4, d_model=128, block_size=64, batch_size=12, lr=1e-3, min_lr=1e-4,
+    nanogpt = dict(block_size=64, batch_size=12, lr=1e-3, min_lr=1e-4,
                    beta2=0.99, weight_decay=0.1, warmup_iters=100, grad_clip=1.0, eval_iters=20)
     assert {k: getattr(args, k) for k in nanogpt} == nanogpt
+    assert (args.n_layer, args.n_head, args.d_model) == (2, 6, 192)  # bench.py sweep's winner at 300 s
     assert (args.max_time, args.max_iters) == (300.0, None)  # the same budget as every model, schedule fitted
-    readme = defaults_for(["--arch", "gpt", "--max-iters", "2000"])  # the README's own run
+    readme = defaults_for(["--arch", "gpt", "--n-layer", "4", "--n-head", "4", "--d-model", "128",
+                           "--max-iters", "2000"])  # nanoGPT's README run itself
+    assert (readme.n_layer, readme.n_head, readme.d_model) == (4, 4, 128)
     assert (readme.max_iters, readme.lr_decay_iters, readme.max_time) == (2000, 2000, None)
     mamba = defaults_for([])  # the CPU default measured in the README: 5 minutes at d_state 4
     assert (mamba.arch, mamba.d_state, mamba.beta2, mamba.lr) == ("mamba", 4, 0.95, 6e-3)
