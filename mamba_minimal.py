@@ -28,7 +28,7 @@ Glossary. One name, one meaning; shape comments use these letters.
              is always the skip below)
     N        d_state, the number of states per channel
     x        the scan's input: the causal conv's output after SiLU              (b, L, ED)
-    delta    Δ > 0, the step size, one per token and channel                    (b, L, ED)
+    delta    Δ > 0, the step size, one per token and channel (0: a padding step)   (b, L, ED)
     A        the continuous state matrix: diagonal, one negative entry per (channel, state)   (ED, N)
     B, C     the input and output matrices, one N-vector per token, shared by the channels   (b, L, N)
     D        the skip connection y += D·x, one per channel                      (ED,)

@@ -240,7 +240,7 @@ class Run:
         n_train = int(0.9 * len(data))
         self.train_data, self.val_data = data[:n_train], data[n_train:]
         check_val_split(len(text), len(self.val_data), args.block_size)
-        # the same windows at every evaluation, so the curve measures the model, not the sample
+        # the same windows at every evaluation, so the curve measures the model, not the windows drawn
         g = torch.Generator().manual_seed(1234)
         n_eval = args.eval_iters * args.batch_size
         self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
@@ -248,7 +248,7 @@ class Run:
 
         # ---------------------------------------------------------------- model and optimizer
         self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
-        # fused: AdamW's whole update in one kernel over all tensors, not op by op
+        # fused: AdamW's update as fused kernels, not op by op
         self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
                                            betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
         self.autocast, self.scaler = precision(device, args.dtype)
