@@ -1401,36 +1401,7 @@ def _check_step_inputs(model, token_ids, cache):
     _check_token_ids(token_ids, rank=1)
     if token_ids.device.type == "cpu":
         _check_token_range(token_ids, model.cfg.vocab_size)
-    n_layer, batch = len(model.backbone.layers), token_ids.shape[0]
-    spec = model.backbone.layers[0].mixer.cache_spec(batch)
-    names, kind = ", ".join(name for name, *_ in spec), ("pair" if len(spec) == 2 else "tuple")
-    if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
-        got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
-        raise ValueError(f"cache must be a list of {n_layer} ({names}) {kind}s, one per layer, as "
-                         f"prefill returns it; got {got}")
-    owners = {}  # data_ptr -> the state that holds it
-    for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
-        mixer = layer.mixer
-        spec = mixer.cache_spec(batch)
-        if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != len(spec):
-            raise ValueError(f"cache[{i}] must be a ({names}) {kind}")
-        device = mixer.in_proj.weight.device
-        for t, (name, shape, dims, dtype) in zip(layer_cache, spec):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"cache[{i}] {name} must have shape {shape} ({dims}) for a batch of "
-                                 f"{batch} tokens, got {got}")
-            if t.dtype != dtype or t.device != device:
-                raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
-                                 f"it for this model), got {t.dtype} on {t.device}")
-            # step writes into every state in place: two states in one memory would mix
-            if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
-                raise ValueError(f"cache[{i}] {name} repeats one row in memory (an expand()ed tensor); "
-                                 f"give it memory of its own, e.g. with .clone()")
-            if t.data_ptr() in owners:
-                raise ValueError(f"cache[{i}] {name} shares its memory with {owners[t.data_ptr()]}; each "
-                                 f"layer needs a state of its own ([pair] * n_layer repeats one pair)")
-            owners[t.data_ptr()] = f"cache[{i}] {name}"
+    _check_cache(model, cache, token_ids.shape[0], written_in_place=True)
 
 
 def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask):
@@ -1481,20 +1452,22 @@ def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=Tru
     return use
 
 
-def _check_cache(model, cache, batch):
+def _check_cache(model, cache, batch, written_in_place=False):
     """A cache must be prefill's for this model and batch: one tuple per layer, each tensor of the
-    shape, dtype and device of its mixer's cache_spec."""
+    shape, dtype and device of its mixer's cache_spec. written_in_place (step): step writes into
+    every state, so no state may repeat a row in memory or share its memory with another."""
     n_layer = len(model.backbone.layers)
-    names = tuple(name for name, *_ in model.backbone.layers[0].mixer.cache_spec(batch))
+    spec = model.backbone.layers[0].mixer.cache_spec(batch)
+    names, kind = ", ".join(name for name, *_ in spec), ("pair" if len(spec) == 2 else "tuple")
     if not isinstance(cache, (list, tuple)) or len(cache) != n_layer:
         got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
-        raise ValueError(f"cache must be a list of {n_layer} ({', '.join(names)}) tuples, one per layer, as "
+        raise ValueError(f"cache must be a list of {n_layer} ({names}) {kind}s, one per layer, as "
                          f"prefill returns it for this model; got {got}")
+    owners = {}  # data_ptr -> the state that holds it
     for i, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache)):
         spec = layer.mixer.cache_spec(batch)
         if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != len(spec):
-            raise ValueError(f"cache[{i}] must be a ({', '.join(names)}) tuple, as prefill returns it for "
-                             f"this model")
+            raise ValueError(f"cache[{i}] must be a ({names}) {kind}, as prefill returns it for this model")
         device = next(layer.mixer.parameters()).device
         for t, (name, shape, dims, dtype) in zip(layer_cache, spec):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
@@ -1504,6 +1477,15 @@ def _check_cache(model, cache, batch):
             if t.dtype != dtype or t.device != device:
                 raise ValueError(f"cache[{i}] {name} must be {dtype} on {device} (as prefill makes "
                                  f"it for this model), got {t.dtype} on {t.device}")
+            if not written_in_place:
+                continue
+            if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                raise ValueError(f"cache[{i}] {name} repeats one row in memory (an expand()ed tensor); "
+                                 f"give it memory of its own, e.g. with .clone()")
+            if t.data_ptr() in owners:
+                raise ValueError(f"cache[{i}] {name} shares its memory with {owners[t.data_ptr()]}; each "
+                                 f"layer needs a state of its own ([pair] * n_layer repeats one pair)")
+            owners[t.data_ptr()] = f"cache[{i}] {name}"
 
 
 def _check_sampling(temperature, top_k, top_p):
