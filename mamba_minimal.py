@@ -607,7 +607,7 @@ class _SelectiveScan(torch.autograd.Function):
             if z is not None:
                 grad_z = torch.ops.aten.silu_backward(grad_out * y_skip, z)  # grad_out·(y + D·x)·SiLU'(z)
                 grad_y = grad_out * silu_z
-            G = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  through y_t only, so far
+            G = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  the read-out's share of G_t
             G[:, -1] += grad_last.transpose(1, 2)
             G = _scan_in_place(G, dA, ctx.backend, reverse=True)  # (b, L, N, ED)  G_t in total
             # The rest, one state n at a time: each step reads the n-th (b, L, ED) slices of G, dA
@@ -674,7 +674,7 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
 class _CausalConv(torch.autograd.Function):
     """shifted_sum (section 3) with its backward written out. Autograd's would, for every tap, zero
     a tensor the size of x_pad, copy the tap's gradient into it (the backward of a slice) and add
-    them up; here the taps' gradients go into one buffer, and each weight's gradient is one dot
+    them up; this backward writes the taps' gradients into one buffer, and each weight's gradient is one dot
     product over the batch and the sequence. The backward is made of differentiable ops, so a
     second derivative (create_graph=True) works through it."""
 
@@ -729,7 +729,7 @@ class _CausalConv(torch.autograd.Function):
 # processors), not what makes a CPU fast: a few cores cannot repay their extra work (where pscan
 # beats the loop in training, it is by needing fewer autograd nodes than the loop's L steps, as
 # pscan.py's appendix C says). Nor is this pscan.py's two-level scan (its section 7), which scans
-# every chunk from a zero state and corrects each by its carried-in state: no correction pass here.
+# every chunk from a zero state and corrects each by its carried-in state: the fused path has no correction pass.
 #
 # The chunk length T = 16 (chunk_size) was measured: 32 halves the number of calls but trains
 # slower (the backward kernel grows) and compiles twice as long.
