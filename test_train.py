@@ -346,8 +346,8 @@ def test_time_and_iteration_flags_do_not_mix(text_file, tmp_path):
             ts.main(["--data", text_file, "--out-dir", str(tmp_path / "x")] + extra)
 
 
-def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monkeypatch):
-    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TINY
+def straight_and_interrupted_runs(common, tmp_path, capsys, monkeypatch):
+    """A 12 s time-based run on the fake clock, and the same run killed at step 6: their out-dirs."""
     fake_clock(monkeypatch, 1.0)
     straight = str(tmp_path / "straight")
     run(common + ["--out-dir", straight], capsys)
@@ -356,6 +356,12 @@ def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monk
         killed_at(m, 6)
         with pytest.raises(KeyboardInterrupt):
             run(common + ["--out-dir", broken], capsys)
+    return straight, broken
+
+
+def test_resume_continues_the_same_time_budget(text_file, tmp_path, capsys, monkeypatch):
+    common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TINY
+    straight, broken = straight_and_interrupted_runs(common, tmp_path, capsys, monkeypatch)
     fake_clock(monkeypatch, 1.0)  # a new process: the clock reads anything, only differences count
     out = run(common + ["--out-dir", broken, "--resume"], capsys)
     assert "at step 4" in out
@@ -388,14 +394,7 @@ def test_resume_takes_the_flags_saved_in_last_pt(text_file, tmp_path, capsys, mo
 
 def test_a_time_based_run_resumes_on_its_own_budget(text_file, tmp_path, capsys, monkeypatch):
     common = ["--data", text_file, "--max-time", "12", "--num-evals", "3"] + TINY
-    fake_clock(monkeypatch, 1.0)
-    straight = str(tmp_path / "straight")
-    run(common + ["--out-dir", straight], capsys)
-    broken = str(tmp_path / "broken")
-    with monkeypatch.context() as m:
-        killed_at(m, 6)
-        with pytest.raises(KeyboardInterrupt):
-            run(common + ["--out-dir", broken], capsys)
+    straight, broken = straight_and_interrupted_runs(common, tmp_path, capsys, monkeypatch)
     fake_clock(monkeypatch, 1.0)
     out = run(["--out-dir", broken, "--resume"], capsys)  # not the 300 s default budget
     assert "at step 4" in out
