@@ -8,7 +8,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py train         # one training step: the default Mamba, its alternatives, Mamba-2, the same-size GPT
     python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
     python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
-    python bench.py sweep --max-time 300 [--round 2]  # the grid that chose both models' CPU defaults
+    python bench.py sweep --max-time 300 [--round 2|3]  # the grid that chose both models' CPU defaults
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
@@ -635,6 +635,13 @@ SWEEP_ROUND_2 = {
     "gpt": [["--n-layer", "2", "--d-model", "192", "--n-head", "6", "--lr", "2e-3"],
             ["--n-layer", "3", "--d-model", "160", "--n-head", "5", "--lr", "2e-3"]],
 }
+# Round 3 (--round 3), two points each around the defaults that rounds 1 and 2 chose, each a
+# cheaper step: Mamba with fewer states per channel, the GPT with one wider layer or fewer heads.
+SWEEP_ROUND_3 = {
+    "mamba": [["--d-state", "2"], ["--d-state", "1"]],
+    "gpt": [["--n-layer", "1", "--d-model", "256", "--n-head", "8"], ["--n-head", "3"]],
+}
+SWEEP_ROUNDS = {1: SWEEP_GRID, 2: SWEEP_ROUND_2, 3: SWEEP_ROUND_3}
 
 
 def bench_sweep(args, device):
@@ -642,7 +649,7 @@ def bench_sweep(args, device):
     above; per model, each point's steps, ms per step and best val against its defaults'."""
     out_root = os.path.join(args.out_dir or os.path.join("out", "sweep"), f"round-{args.round}")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
-    grid = SWEEP_ROUND_2 if args.round == 2 else SWEEP_GRID
+    grid = SWEEP_ROUNDS[args.round]
     pairs = list(zip(grid["mamba"], grid["gpt"]))
     results = {"mamba": [], "gpt": []}
     for i, (mamba_flags, gpt_flags) in enumerate(pairs):
@@ -654,7 +661,7 @@ def bench_sweep(args, device):
             results[name].append((" ".join(flags[2:] if name == "gpt" else flags) or "(defaults)", steps, ms,
                                   min(v for _, v in curve)))
     for name, rows in results.items():
-        default = rows[0][3] if args.round != 2 else None  # round 2 has no defaults' row: compare across runs
+        default = rows[0][3] if args.round == 1 else None  # later rounds have no defaults' row
         table(f"{name}: round {args.round}, {args.max_time:g} s each, one thread, best val",
               ["flags", "steps", "ms/step", "best val"] + (["- defaults'"] if default else []),
               [[f, str(n), f"{ms:.0f}", f"{v:.4f}"] + ([f"{v - default:+.4f}"] if default else [])
@@ -783,7 +790,7 @@ def bench_mamba2_train(args, device):
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
     torch.manual_seed(0)
-    models["mamba d_state 4 (trainer's CPU default)"] = mm.MambaLM(
+    models["mamba 128 x 7, d_state 4"] = mm.MambaLM(
         mm.MambaConfig(d_model=d_model, n_layer=7, vocab_size=vocab, d_state=4))
     for name, kw in MAMBA2_CPU_CANDIDATES.items():
         if device.type == "cuda":  # the CUDA default's width, 6 layers
@@ -869,7 +876,7 @@ def bench_mamba3(args, device):
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
     torch.manual_seed(0)
-    models["mamba d_state 4 (trainer's CPU default)"] = mm.MambaLM(
+    models["mamba 128 x 7, d_state 4"] = mm.MambaLM(
         mm.MambaConfig(d_model=128, n_layer=7, vocab_size=vocab, d_state=4))
     torch.manual_seed(0)
     models["mamba2 d_state 64, headdim 64 (trainer's CPU default)"] = m2.Mamba2LM(m2.Mamba2Config(
@@ -885,7 +892,7 @@ def bench_mamba3(args, device):
     n_new = 32 if args.quick else 256
     prompt = torch.randint(0, vocab, (1, 16), device=device)
     runs = {}
-    for name in ("mamba d_state 4 (trainer's CPU default)", "mamba2 d_state 64, headdim 64 (trainer's CPU default)",
+    for name in ("mamba 128 x 7, d_state 4", "mamba2 d_state 64, headdim 64 (trainer's CPU default)",
                  "mamba3 SISO, d_state 32, headdim 64, chunk 64 (trainer's CPU default)",
                  "mamba3 MIMO rank 2, d_state 32, chunk 32 (--mimo-rank 2)"):
         model = models[name].eval()
@@ -1172,7 +1179,8 @@ def main():
     r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
     r.add_argument("--racers", default="gpt,mamba",
                    help="comma-separated: gpt, mamba, mamba2, mamba3 (default gpt,mamba; the margin is first - second)")
-    r.add_argument("--round", type=int, choices=(1, 2), default=1, help="sweep: SWEEP_GRID (1) or SWEEP_ROUND_2 (2)")
+    r.add_argument("--round", type=int, choices=(1, 2, 3), default=1,
+                   help="sweep: SWEEP_GRID (1), SWEEP_ROUND_2 (2) or SWEEP_ROUND_3 (3)")
     r.add_argument("--together", action="store_true",
                    help="train a run's models at the same time, one thread each (default: one after the other)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
