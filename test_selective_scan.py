@@ -70,6 +70,13 @@ def test_forward_and_every_gradient_match_the_float64_loop(backend, L, without):
     assert_matches_loop(args, 1e-10, backend=backend)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("backend", EAGER)
+def test_one_or_two_states_per_channel_match_the_float64_loop(backend, n):
+    # the trainer's CPU default has d_state 2; N = 1 leaves a size-1 dimension for broadcasts to get wrong
+    assert_matches_loop(inputs(n=n), 1e-10, backend=backend)
+
+
 @pytest.mark.parametrize("backend", EAGER)
 def test_fp32_forward_and_gradients_match_the_float64_loop(backend):
     # fp32 rounds at 6e-8; a few dozen rounded steps and sums stay well inside 1e-4

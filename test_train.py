@@ -790,8 +790,8 @@ def test_gpt_defaults_are_nanogpts_readme_cpu_run_at_the_swept_shape():
                            "--max-iters", "2000"])  # nanoGPT's README run itself
     assert (readme.n_layer, readme.n_head, readme.d_model) == (4, 4, 128)
     assert (readme.max_iters, readme.lr_decay_iters, readme.max_time) == (2000, 2000, None)
-    mamba = defaults_for([])  # the CPU default measured in the README: 5 minutes at d_state 4
-    assert (mamba.arch, mamba.d_state, mamba.beta2, mamba.lr) == ("mamba", 4, 0.95, 6e-3)
+    mamba = defaults_for([])  # the CPU default measured in the README: 5 minutes at d_state 2
+    assert (mamba.arch, mamba.d_state, mamba.beta2, mamba.lr) == ("mamba", 2, 0.95, 6e-3)
     assert (mamba.max_time, mamba.max_iters) == (300.0, None)
     assert defaults_for(["--max-iters", "7"]).max_time is None  # asking for steps makes it iteration-based
     for argv, match in [(["--arch", "gpt", "--d-state", "8"], "--d-state does not apply to --arch gpt"),
