@@ -530,15 +530,16 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 # "sequential" and "pscan" backends that "auto" picks). The forward
 # keeps its inputs, the decays dA and the states h: recomputing dA would save memory, but exp is
 # the dearest op of the forward (`python bench.py profile`). On a CPU, what these passes cost is
-# memory traffic: a (b, L, N, ED) tensor (3.1 MB at the trainer's shape) is larger than a core's
+# memory traffic: a (b, L, N, ED) tensor (2.0 MB at the trainer's CPU shape) is larger than a core's
 # L2 cache, so each pass over a whole one goes out to the L3 cache or to memory. The backward
 # therefore works one state n at a time: several sums read each (b, L, ED) slice of G, dA and h
-# (0.8 MB) in turn while it is still in cache, instead of making a pass over each whole tensor.
+# (1.0 MB) in turn while it is still in cache, instead of making a pass over each whole tensor.
 #
 # Layout: inside _SelectiveScan the states are (b, L, N, ED), ED last, not section 1's
-# (b, L, ED, N). With N as small as 4, a last dimension of N would make every broadcast and every
-# sum over N run along 4 values, where one AVX-512 register holds 16 fp32 values; with ED last
-# they run along 256 contiguous values, and the read-out C·h is a batched (1, N) @ (N, ED) matmul.
+# (b, L, ED, N). With N as small as 2 (the trainer's CPU default), a last dimension of N would make
+# every broadcast and every sum over N run along 2 values, where one AVX-512 register holds 16 fp32
+# values; with ED last they run along 320 contiguous values, and the read-out C·h is a batched
+# (1, N) @ (N, ED) matmul.
 
 def _scan_in_place(h, dA, backend, reverse=False):
     """The recurrence over dim 1, written over h: h_t += dA_t·h_{t-1} from the first step on, or
@@ -705,8 +706,9 @@ class _CausalConv(torch.autograd.Function):
 
 # The fused path. Where the time goes: the reference writes dA, dBx and h to memory as
 # (b, L, ED, N) tensors and reads them back several times: at the trainer's CPU shape
-# (12, 64, 256, 4) that is 3.1 MB each (12.6 MB at the official N = 16), for a long sequence gigabytes, while the inputs x, Δ, B, C are N times smaller. The
-# arithmetic is trivial; the cost is memory traffic.
+# (12, 64, 320, 2) that is 2.0 MB each (15.7 MB at the official N = 16), for a long sequence
+# gigabytes, while the inputs x, Δ, B, C are N times smaller. The arithmetic is trivial; the cost
+# is memory traffic.
 #
 # The paper's answer (§3.3, the hardware-aware algorithm) is kernel fusion plus recomputation:
 # load x, Δ, A, B, C into fast memory, discretize and scan there, write only y, and recompute
