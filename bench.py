@@ -621,8 +621,8 @@ def bench_race(args, device):
 # one's defaults: the learning rate halved and doubled, two other shapes of about the same size
 # (for Mamba, one is a larger state), and twice the batch. Point i of each model trains at the same
 # time as point i of the other, one thread each, so that the machine's load falls on both alike.
-# One run per point: a point replaces a default only if it beats it by more than the run-to-run
-# spread of `bench.py race` (0.001-0.003 on a quiet machine; 0.01 is the bar used).
+# One run per point: a point replaces a default only if it beats it by more than 0.01 (Mamba's
+# run-to-run spread in `bench.py race` on a quiet machine is 0.001-0.003, the GPT's 0.001-0.011).
 SWEEP_GRID = {
     "mamba": [[], ["--lr", "3e-3"], ["--lr", "1.2e-2"], ["--d-state", "8"],
               ["--n-layer", "5", "--d-model", "160"], ["--batch-size", "24"]],
@@ -642,29 +642,38 @@ SWEEP_ROUND_3 = {
     "mamba": [["--d-state", "2"], ["--d-state", "1"]],
     "gpt": [["--n-layer", "1", "--d-model", "256", "--n-head", "8"], ["--n-head", "3"]],
 }
-SWEEP_ROUNDS = {1: SWEEP_GRID, 2: SWEEP_ROUND_2, 3: SWEEP_ROUND_3}
+# Each round's points are changes to the defaults of its time, spelled out here so that a round
+# measures the same runs whatever the trainer's defaults have become since.
+SWEEP_ROUNDS = {
+    1: ({"mamba": ["--n-layer", "7", "--d-model", "128", "--d-state", "4"],
+         "gpt": ["--n-layer", "4", "--d-model", "128", "--n-head", "4"]}, SWEEP_GRID),
+    2: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "4"],
+         "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_2),
+    3: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "4"],
+         "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_3),
+}
 
 
 def bench_sweep(args, device):
-    """SWEEP_GRID: every point trained by train_shakespeare.py for --max-time seconds, paired as
-    above; per model, each point's steps, ms per step and best val against its defaults'."""
+    """The points of round --round (SWEEP_ROUNDS), each trained by train_shakespeare.py for
+    --max-time seconds, paired as above; per model, each point's steps, ms per step and best val
+    (round 1: also against its first point, the defaults of that time)."""
     out_root = os.path.join(args.out_dir or os.path.join("out", "sweep"), f"round-{args.round}")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads or 1))
-    grid = SWEEP_ROUNDS[args.round]
+    base, grid = SWEEP_ROUNDS[args.round]
     pairs = list(zip(grid["mamba"], grid["gpt"]))
     results = {"mamba": [], "gpt": []}
     for i, (mamba_flags, gpt_flags) in enumerate(pairs):
         print(f"point {i + 1}/{len(pairs)}", flush=True)
-        group = [("mamba", mamba_flags, os.path.join(out_root, f"mamba-{i}")),
-                 ("gpt", ["--arch", "gpt"] + gpt_flags, os.path.join(out_root, f"gpt-{i}"))]
-        for (name, flags, _), (_, curve, (steps, ms)) in zip(group, train_runs(group, argparse.Namespace(
-                **dict(vars(args), together=True)), device, env)):
-            results[name].append((" ".join(flags[2:] if name == "gpt" else flags) or "(defaults)", steps, ms,
-                                  min(v for _, v in curve)))
+        group = [("mamba", base["mamba"] + mamba_flags, os.path.join(out_root, f"mamba-{i}")),
+                 ("gpt", ["--arch", "gpt"] + base["gpt"] + gpt_flags, os.path.join(out_root, f"gpt-{i}"))]
+        runs = train_runs(group, argparse.Namespace(**dict(vars(args), together=True)), device, env)
+        for (name, flags), (_, curve, (steps, ms)) in zip((("mamba", mamba_flags), ("gpt", gpt_flags)), runs):
+            results[name].append((" ".join(flags) or "(defaults)", steps, ms, min(v for _, v in curve)))
     for name, rows in results.items():
         default = rows[0][3] if args.round == 1 else None  # later rounds have no defaults' row
-        table(f"{name}: round {args.round}, {args.max_time:g} s each, one thread, best val",
-              ["flags", "steps", "ms/step", "best val"] + (["- defaults'"] if default else []),
+        table(f"{name}: round {args.round} (from {' '.join(base[name])}), {args.max_time:g} s each, one "
+              f"thread, best val", ["flags", "steps", "ms/step", "best val"] + (["- defaults'"] if default else []),
               [[f, str(n), f"{ms:.0f}", f"{v:.4f}"] + ([f"{v - default:+.4f}"] if default else [])
                for f, n, ms, v in rows])
 

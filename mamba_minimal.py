@@ -533,7 +533,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
 # memory traffic: a (b, L, N, ED) tensor (2.0 MB at the trainer's CPU shape) is larger than a core's
 # L2 cache, so each pass over a whole one goes out to the L3 cache or to memory. The backward
 # therefore works one state n at a time: several sums read each (b, L, ED) slice of G, dA and h
-# (1.0 MB) in turn while it is still in cache, instead of making a pass over each whole tensor.
+# (1.0 MB each) in turn while it is still in a cache, L2 or L3, instead of making a pass over each
+# whole tensor.
 #
 # Layout: inside _SelectiveScan the states are (b, L, N, ED), ED last, not section 1's
 # (b, L, ED, N). With N as small as 2 (the trainer's CPU default), a last dimension of N would make
