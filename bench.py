@@ -8,7 +8,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py train         # one training step: the default Mamba, its alternatives, Mamba-2, the same-size GPT
     python bench.py profile       # where the default Mamba's training step goes, op by op (torch.profiler)
     python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
-    python bench.py sweep --max-time 300 [--round 2|3]  # the grid that chose both models' CPU defaults
+    python bench.py sweep --max-time 300 [--round 2|3|4]  # the grid that chose both models' CPU defaults
     python bench.py generate      # cost per generated token at position 16 vs 4096
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
@@ -642,6 +642,12 @@ SWEEP_ROUND_3 = {
     "mamba": [["--d-state", "2"], ["--d-state", "1"]],
     "gpt": [["--n-layer", "1", "--d-model", "256", "--n-head", "8"], ["--n-head", "3"]],
 }
+# Round 4 (--round 4), two points each around round 3's defaults (Mamba at d_state 2): one layer
+# fewer and wider, one more and narrower, at about the same size; the GPT narrower and wider.
+SWEEP_ROUND_4 = {
+    "mamba": [["--n-layer", "4", "--d-model", "176"], ["--n-layer", "6", "--d-model", "144"]],
+    "gpt": [["--d-model", "176", "--n-head", "4"], ["--d-model", "208", "--n-head", "8"]],
+}
 # Each round's points are changes to the defaults of its time, spelled out here so that a round
 # measures the same runs whatever the trainer's defaults have become since.
 SWEEP_ROUNDS = {
@@ -651,6 +657,8 @@ SWEEP_ROUNDS = {
          "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_2),
     3: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "4"],
          "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_3),
+    4: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "2"],
+         "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_4),
 }
 
 
@@ -1189,8 +1197,8 @@ def main():
     r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
     r.add_argument("--racers", default="gpt,mamba",
                    help="comma-separated: gpt, mamba, mamba2, mamba3 (default gpt,mamba; the margin is first - second)")
-    r.add_argument("--round", type=int, choices=(1, 2, 3), default=1,
-                   help="sweep: SWEEP_GRID (1), SWEEP_ROUND_2 (2) or SWEEP_ROUND_3 (3)")
+    r.add_argument("--round", type=int, choices=(1, 2, 3, 4), default=1,
+                   help="sweep: SWEEP_GRID (1) or SWEEP_ROUND_2, _3, _4 (2, 3, 4)")
     r.add_argument("--together", action="store_true",
                    help="train a run's models at the same time, one thread each (default: one after the other)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
