@@ -38,7 +38,7 @@ from mamba_minimal import SCAN_BACKENDS, MambaConfig, MambaLM
 # ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
-    # 0.83M parameters, trained for 5 minutes. Chosen at that budget by `python bench.py sweep` (three
+    # 0.83M parameters, trained for 5 minutes. Chosen at that budget by `python bench.py sweep` (four
     # rounds, the same grid size for the GPT below; RESULTS.md): 5 layers of width 160 beat 7 of 128
     # by 0.014; d_state 2 tied with 1 and beat 4 by 0.013 in paired runs (a faster step); 8 lost
     "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
