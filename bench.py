@@ -623,11 +623,13 @@ def bench_race(args, device):
 # time as point i of the other, one thread each, so that the machine's load falls on both alike.
 # One run per point: a point replaces a default only if it beats it by more than 0.01 (Mamba's
 # run-to-run spread in `bench.py race` on a quiet machine is 0.001-0.003, the GPT's 0.001-0.011).
+# The trainer evaluates eval_iters batches of the run's batch size, drawn from one fixed stream of
+# windows: batch 24 with --eval-iters 10 scores the same 240 windows as the others' 20 batches of 12.
 SWEEP_GRID = {
     "mamba": [[], ["--lr", "3e-3"], ["--lr", "1.2e-2"], ["--d-state", "8"],
-              ["--n-layer", "5", "--d-model", "160"], ["--batch-size", "24"]],
+              ["--n-layer", "5", "--d-model", "160"], ["--batch-size", "24", "--eval-iters", "10"]],
     "gpt": [[], ["--lr", "5e-4"], ["--lr", "2e-3"], ["--n-layer", "6", "--d-model", "112"],
-            ["--n-layer", "2", "--d-model", "192", "--n-head", "6"], ["--batch-size", "24"]],
+            ["--n-layer", "2", "--d-model", "192", "--n-head", "6"], ["--batch-size", "24", "--eval-iters", "10"]],
 }
 # Round 2 (--round 2), two points each around round 1's winners (Mamba: 5 layers of width 160; the
 # GPT: 2 layers of width 192, and lr 2e-3): shallower and wider again, and the GPT's two combined.
