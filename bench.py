@@ -650,17 +650,15 @@ SWEEP_ROUND_4 = {
     "mamba": [["--n-layer", "4", "--d-model", "176"], ["--n-layer", "6", "--d-model", "144"]],
     "gpt": [["--d-model", "176", "--n-head", "4"], ["--d-model", "208", "--n-head", "8"]],
 }
-# Each round's points are changes to the defaults of its time, spelled out here so that a round
-# measures the same runs whatever the trainer's defaults have become since.
+# Each round's points are changes to the defaults of its time, spelled out so that a round
+# measures the same runs whatever the trainer's defaults are.
+_GPT_2_X_192 = ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]
 SWEEP_ROUNDS = {
     1: ({"mamba": ["--n-layer", "7", "--d-model", "128", "--d-state", "4"],
          "gpt": ["--n-layer", "4", "--d-model", "128", "--n-head", "4"]}, SWEEP_GRID),
-    2: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "4"],
-         "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_2),
-    3: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "4"],
-         "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_3),
-    4: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "2"],
-         "gpt": ["--n-layer", "2", "--d-model", "192", "--n-head", "6"]}, SWEEP_ROUND_4),
+    2: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "4"], "gpt": _GPT_2_X_192}, SWEEP_ROUND_2),
+    3: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "4"], "gpt": _GPT_2_X_192}, SWEEP_ROUND_3),
+    4: ({"mamba": ["--n-layer", "5", "--d-model", "160", "--d-state", "2"], "gpt": _GPT_2_X_192}, SWEEP_ROUND_4),
 }
 
 
