@@ -48,7 +48,8 @@ import torch.nn.functional as F
 
 import mamba_minimal as mm
 import pscan
-from mamba_minimal import RMSNorm, _at_least_fp32
+from mamba_minimal import RMSNorm, _at_least_fp32, _in_compute_dtype, _without_autocast
+from pscan import segsum
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,29 +98,6 @@ def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
     for name, t in list(named.items()) + [("D", D), ("h0", h0)]:
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} must be on {x.device} like x, got {t.device}")
-
-
-def _in_compute_dtype(*tensors):
-    """Cast to one dtype, at least fp32 (the state sums many small terms): fp64 if any is fp64."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return [t.to(dtype) for t in tensors]
-
-
-def _without_autocast(fn):
-    """fn run with autocast off on the device of its first tensor argument (positional or
-    keyword). SSD casts its inputs to fp32 at least (_in_compute_dtype), but autocast would run
-    every matmul in bf16 or fp16 again: the chunk states of ssd()'s step 2 would come out in half
-    precision beside fp32 decays, and the state would sum its terms with an 8-bit mantissa."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        if device is None or not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
-            return fn(*args, **kwargs)
-        with torch.autocast(device, enabled=False):
-            return fn(*args, **kwargs)
-    return run
 
 
 @_without_autocast
@@ -195,10 +173,10 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 # test_mamba2.py on T = 2048 steps with a_t uniform in (-1, 0): the largest error of the decay
 # mask exp(segsum) is 5e-5 by differences against 3e-8 by segsum() in fp32, and 0.98 against
 # 2e-3 in bf16. Differences are safe when the sums stay small: short chunks (T ≤ 256) in fp32.
-# segsum() avoids the subtraction altogether: it copies a into a (T, T) matrix, keeps the entries
-# strictly below the diagonal, and takes the cumsum down each column, so entry (t, s) adds up
-# exactly a_{s+1} .. a_t, starting from zero (the official ssd_minimal.py's `segsum`). It costs
-# O(T²) additions, which the (T, T) mask needs anyway.
+# segsum() (pscan.py appendix F, shared with mamba3_minimal.py) avoids the subtraction altogether:
+# it copies a into a (T, T) matrix, keeps the entries strictly below the diagonal, and takes the
+# cumsum down each column, so entry (t, s) adds up exactly a_{s+1} .. a_t, starting from zero (the
+# official ssd_minimal.py's `segsum`). It costs O(T²) additions, which the (T, T) mask needs anyway.
 
 def segsum_by_difference(a):
     """a (..., T) -> (..., T, T): S_t - S_s below the diagonal, -inf above. Cheap, cancels in long runs."""
@@ -207,17 +185,6 @@ def segsum_by_difference(a):
     diff = S[..., :, None] - S[..., None, :]  # (..., T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()
     return diff.masked_fill(~causal, -torch.inf)
-
-
-def segsum(a):
-    """a (..., T) -> (..., T, T) with [t, s] = a_{s+1} + ... + a_t for s ≤ t (0 on the diagonal)
-    and -inf above it, so that exp() of it is the decay mask M. No subtraction: see above."""
-    T = a.shape[-1]
-    below = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)  # s < t
-    a_ks = torch.where(below, a.unsqueeze(-1), 0)  # (..., T, T): entry (k, s) = a_k if s < k, else 0
-    sums = a_ks.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} a_k
-    causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()  # s ≤ t
-    return sums.masked_fill(~causal, -torch.inf)
 
 
 # The same two matmuls and mask serve section 3, where they run on every chunk at once. To make

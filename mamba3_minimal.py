@@ -48,8 +48,9 @@ v is the head's input x.
     h        the state of one head, a P x N matrix                        (b, H, P, N)
     alpha, beta, gamma   α_t = exp(Δ_t·A_t), β_t = (1 − λ_t)·Δ_t·α_t, γ_t = λ_t·Δ_t
 
-Read mamba_minimal.py, pscan.py and mamba2_minimal.py first: this file reuses their RMSNorm, LM
-wrapper, sampling and checkpoint helpers, segsum, and pscan.scan across chunks.
+Read mamba_minimal.py, pscan.py and mamba2_minimal.py first. This file needs only the first two:
+it reuses mamba_minimal.py's RMSNorm, LM wrapper, sampling and checkpoint helpers, and pscan.py's
+scan across chunks and segsum (Mamba-2's segment sums).
 """
 
 import math
@@ -61,8 +62,8 @@ import torch.nn.functional as F
 
 import mamba_minimal as mm
 import pscan
-from mamba2_minimal import _in_compute_dtype, _without_autocast, segsum
-from mamba_minimal import RMSNorm, _at_least_fp32
+from mamba_minimal import RMSNorm, _at_least_fp32, _in_compute_dtype, _without_autocast
+from pscan import segsum
 
 TWO_PI = 2 * math.pi
 PAIRINGS = ("adjacent", "halves")

@@ -2,21 +2,24 @@
 mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
 official checkpoints.
 
-Read it top to bottom. Sections 1 to 5 are the model. Two of their calls run section 6's code:
-MambaMixer.forward's selective_scan computes section 2's selective_scan_reference (equal to
-rounding) and causal_conv's _CausalConv computes section 3's shifted_sum, each with a backward
-written by hand. Section 6 makes it fast, section 7 loads checkpoints, section 8 adds what using a
-model for real needs (caches, packed sequences, padding, sampling, weight decay), and the input
-checks wait in an appendix.
+Read it top to bottom. Sections 1 to 5 are the whole model, and a model runs exactly their code
+with MambaConfig(scan_backend="reference"): section 2's selective scan and section 3's causal conv,
+differentiated by autograd. By default it runs section 6 instead, which computes the same numbers
+(the tests check it to rounding) with backwards written by hand, about twice as fast to train. The
+switch sits at the two call sites, MambaMixer.forward and MambaMixer.causal_conv, the two paths side
+by side. Sections 1 to 5 call nothing defined after them except through that switch, the loader
+behind from_pretrained (section 7) and the input checks of the appendix, which change nothing that
+a valid call computes. Section 6 makes it fast, section 7 loads checkpoints, section 8 explains the
+options that using a model for real needs (caches, packed sequences, padding).
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
-    3. The block                        MambaConfig, RMSNorm, the mixer            (Mamba.forward, mamba_inner_ref)
-    4. The language model               residual blocks, the LM, its init         (MambaLMHeadModel)
-    5. Recurrent inference              prefill, an O(1) step per token, generate  (Mamba.step, selective_state_update)
+    3. The block                        MambaConfig, RMSNorm, the causal conv, the mixer (Mamba.forward, mamba_inner_ref)
+    4. The language model               residual blocks, the LM, its init, weight decay (MambaLMHeadModel)
+    5. Recurrent inference (in MambaLM) prefill, an O(1) step per token, sampling, generate (Mamba.step)
     6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan()
     7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
-    8. Using a model for real           caches, packed sequences, padding, sampling, weight decay
+    8. Using a model for real           caches, packed sequences, padding: what forward's options do
     9. Appendix: input checks
 
 Glossary. One name, one meaning; shape comments use these letters.
@@ -43,6 +46,7 @@ that file first.
 """
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -61,6 +65,14 @@ def _at_least_fp32(t):
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
+def _in_compute_dtype(*tensors):
+    """Cast to one dtype, at least fp32 (a state sums many small terms): fp64 if any is fp64."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return [t.to(dtype) for t in tensors]
+
+
 # ------------------------------------------------------------------------------------------------
 # 1. The SSM and its discretization
 # ------------------------------------------------------------------------------------------------
@@ -69,7 +81,8 @@ def _at_least_fp32(t):
 #     h'(t) = A·h(t) + B·x(t),        y(t) = C·h(t)
 #
 # Mamba runs ED of them, one per channel, each with N states; A is diagonal, stored as (ED, N).
-# To run on tokens, each is sampled with a step Δ and the zero-order hold (eqs. 2, 4):
+# To run on tokens, each is sampled with a step Δ and the zero-order hold, x held constant over
+# each step of length Δ (eqs. 2, 4):
 #
 #     h_t = Ā·h_{t-1} + B̄·x_t,      Ā = exp(Δ·A),      B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B ≈ Δ·B
 #
@@ -159,14 +172,15 @@ class MambaConfig:
     dt_scale: float = 1.0
     dt_init: str = "random"  # dt_proj.weight uniform in ±dt_rank^-0.5·dt_scale, or "constant" at +that
     norm_epsilon: float = 1e-5
-    pad_vocab_size_multiple: int = 8  # official layout only: aligned shapes run faster on GPUs
+    pad_vocab_size_multiple: int = 8  # the vocabulary is padded to a multiple of this (65 -> 72)
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
-    # how section 6 runs the scan, not part of a checkpoint
+    # How to run it, not part of a checkpoint. "reference": sections 2 and 3's code as written,
+    # differentiated by autograd; any other backend: section 6's engine, the same numbers
     scan_backend: str = "auto"
-    compile_scan: Union[bool, str] = False  # False, True or "loop"
-    chunk_size: int = 16
-    recompute: bool = True  # the fused path's hand-written backward (vs plain autograd)
+    compile_scan: Union[bool, str] = False  # section 6: False, True or "loop"
+    chunk_size: int = 16  # section 6: the fused path's chunk length T
+    recompute: bool = True  # section 6: the fused path's hand-written backward (vs plain autograd)
 
     def __post_init__(self):
         _check_config(self)  # the appendix
@@ -208,7 +222,7 @@ def dt_bias_init(n, cfg):
 
 def shifted_sum(x_pad, w, bias=None, keep=None):
     """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, ED) is
-    the d_conv-1 inputs before the first token, then the tokens; w (ED, d_conv); keep: section 8.
+    the d_conv-1 inputs before the first token, then the tokens; w (ED, d_conv); keep: conv_keep's.
     -> (b, L, ED). On a CPU far cheaper than nn.Conv1d's backward."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
@@ -220,6 +234,34 @@ def shifted_sum(x_pad, w, bias=None, keep=None):
     for k in range(1, width):
         out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, ED)
     return out
+
+
+# The conv's taps look d_conv-1 tokens back, so two options of forward (section 8) reach it: with
+# packed documents (seq_idx) a tap must not read the document before, and a cache's conv buffer
+# holds the inputs before the first new token.
+
+def conv_keep(seq_idx, width, dtype):
+    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an
+    input of another sequence (the inputs before the first token count as the first sequence's)."""
+    L = seq_idx.shape[1]
+    seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, width-1+L)
+    return torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(dtype)
+
+
+def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
+    """The conv's rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros
+    before the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
+    tensor of `dtype`, so a cache does not keep the prompt's activations alive. With seq_idx, the
+    inputs of earlier sequences are zeros: the buffer is the last sequence's alone."""
+    x_in = x_in.transpose(1, 2)  # (b, ED, L)
+    if conv_state is None:
+        state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
+    else:
+        state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
+    if seq_idx is not None:
+        seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
+        state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
+    return state.to(dtype).clone(memory_format=torch.contiguous_format)
 
 
 class MambaMixer(nn.Module):
@@ -278,22 +320,25 @@ class MambaMixer(nn.Module):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
-        # bias added in fp32 (the official delta_bias): bf16's spacing next to a bias of -2 to -7
-        # is 1/32, a tenth of the data-dependent part. @ Wᵀ, not F.linear: 2-4x faster backward on a CPU
-        dt_raw = _at_least_fp32(dt_low @ self.dt_proj.weight.t().contiguous())  # (..., ED) before softplus
+        # The bias is added in fp32 (the official delta_bias): next to a bias of -2 to -7 bf16's
+        # spacing is 1/64 to 1/32, a fifth to two fifths of the data-dependent part at init (std 0.07).
+        dt_raw = _at_least_fp32(F.linear(dt_low, self.dt_proj.weight))  # (..., ED) before softplus
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
 
     def causal_conv(self, x, conv_state=None, seq_idx=None):
         """The depthwise causal conv (shifted_sum), x: (b, L, ED) -> (b, L, ED). conv_state, seq_idx:
-        continuing a cache, packed sequences."""
+        continuing a cache, packed sequences (section 8)."""
         width = self.cfg.d_conv
         if conv_state is None:
             x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
-        else:
+        else:  # the buffer's last d_conv-1 inputs: the conv needs no more before the first new token
             x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
-        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # (b, L, d_conv), section 8
-        return _CausalConv.apply(x_pad, self.conv1d.weight[:, 0, :], self.conv1d.bias, keep)  # section 6's backward
+        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # (b, L, d_conv)
+        w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
+        if self.cfg.scan_backend == "reference":  # shifted_sum as written, differentiated by autograd
+            return shifted_sum(x_pad, w, self.conv1d.bias, keep)
+        return _CausalConv.apply(x_pad, w, self.conv1d.bias, keep)  # the same sum, its backward written out (section 6)
 
     def conv_step(self, conv_state, x):
         """causal_conv at one position: push x (b, ED) into the buffer of the last d_conv inputs,
@@ -305,31 +350,41 @@ class MambaMixer(nn.Module):
 
     def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
         """conv_step's buffer after x_in (b, L, ED): its last d_conv inputs, (b, ED, d_conv)."""
-        return conv_buffer_after(x_in, self.cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)  # section 8
+        return conv_buffer_after(x_in, self.cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)
 
     def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's cache
-        (section 5). cache, seq_idx, attention_mask: section 8."""
+        (section 5). cache, seq_idx, attention_mask (b, L): section 8."""
         cfg = self.cfg
         conv_state, h0 = (None, None) if cache is None else cache
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
-        x_in = zero_padding(x_in, attention_mask)  # left padding: zeros into the conv (section 8)
+        if attention_mask is not None:  # left padding: zeros into the conv ...
+            x_in = x_in * attention_mask[..., None]
         x = F.silu(self.causal_conv(x_in, conv_state, seq_idx))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
-        delta = zero_padding(delta, attention_mask)  # and identity steps: Δ = 0 gives dA = 1, dBx = 0
-        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L)
-        # section 6: selective_scan_reference's numbers, with a backward written by hand
-        y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, h0, backend=cfg.scan_backend,
-                                   compile=cfg.compile_scan, return_last_state=True, chunk_size=cfg.chunk_size,
-                                   recompute=cfg.recompute, reset=reset)  # (b, L, ED) in x's dtype
+        if attention_mask is not None:  # ... and identity steps: Δ = 0 gives dA = 1, dBx = 0
+            delta = delta * attention_mask[..., None]
+        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L) new documents
+        if cfg.scan_backend == "reference":  # section 2 as written, differentiated by autograd
+            y, h_last = selective_scan_reference(x, delta, self.A, B, C, self.D, z, h0, reset=reset)
+            y = y.to(x.dtype)  # (b, L, ED)
+        else:  # the same numbers by section 6's engine: a backward written by hand, or the fused path
+            y, h_last = selective_scan(x, delta, self.A, B, C, self.D, z, h0, backend=cfg.scan_backend,
+                                       compile=cfg.compile_scan, return_last_state=True,
+                                       chunk_size=cfg.chunk_size, recompute=cfg.recompute, reset=reset)
         out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
         return out, (self.conv_state_after(x_in, conv_state, seq_idx), h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
-        """What prefill's cache holds for this layer (section 8); step checks a cache against it."""
-        return mamba_cache_spec(self, batch)
+        """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
+        step checks a cache against it before it writes anything. The SSM state is fp32 at least,
+        like the scan."""
+        cfg = self.cfg
+        return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", self.conv1d.weight.dtype),
+                ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
+                 _at_least_fp32(self.A_log).dtype))
 
     def step(self, hidden, cache):
         """One token, the recurrent form of forward (section 5; the official Mamba.step).
@@ -415,8 +470,18 @@ class MambaLM(nn.Module):
             layer.mixer.reset_ssm_parameters()
 
     def optim_groups(self, weight_decay):
-        """AdamW parameter groups: matrices decay; A_log, D, norms and biases do not (section 8)."""
-        return optim_groups(self, weight_decay)
+        """AdamW parameter groups: matrices decay; A_log (decay would pull every A towards -1), D,
+        norms and biases do not. Tied weights appear once."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if p.dim() < 2 or name.endswith("A_log"):
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        return [{"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
 
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
@@ -486,8 +551,23 @@ class MambaLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
-        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 7."""
+        """Load a checkpoint: a folder holding config.json (official or transformers fields) and
+        the weights, or a hub id; section 7 gives the rules."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
+
+def top_k_top_p(logits, top_k=None, top_p=None):
+    """sample_next's filters: logits (b, V) -> (b, V) with -inf outside the top_k tokens and outside
+    the smallest set whose probabilities sum to at least top_p."""
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (b, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -495,7 +575,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
-    logits = top_k_top_p(logits.float() / temperature, top_k, top_p)  # (b, V), section 8
+    logits = top_k_top_p(logits.float() / temperature, top_k, top_p)  # (b, V)
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
@@ -572,6 +652,21 @@ def _autocast_off(device):
     return contextlib.nullcontext()
 
 
+def _without_autocast(fn):
+    """fn run with autocast off on the device of its first tensor argument (positional or
+    keyword), for the later generations' scans (mamba2_minimal.py, mamba3_minimal.py). They cast
+    their inputs to fp32 at least (_in_compute_dtype), but autocast would run every matmul in bf16
+    or fp16 again: the state would then sum its terms with an 8-bit mantissa."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        device = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if device is None or not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+            return fn(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
 class _SelectiveScan(torch.autograd.Function):
     """selective_scan_reference's forward; the backward above. Takes fp32 or fp64 tensors, and
     computes in their dtype whatever autocast says: under bf16 autocast the read-out C·h, a
@@ -580,7 +675,7 @@ class _SelectiveScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, delta, A, B, C, D, z, h0, backend, reset):
         with _autocast_off(x.device):
-            A_transposed = A.t().contiguous()  # (N, ED); a strided one makes the broadcast 1.5x slower
+            A_transposed = A.t().contiguous()  # (N, ED), contiguous so that the broadcast reads it in order
             dA = torch.mul(delta.unsqueeze(-2), A_transposed).exp_()  # (b, L, N, ED)  exp(Δ·A)
             if reset is not None:  # saved with its zeros: the backward's G_t and dLoss/d(Δ·A) stop there
                 dA.masked_fill_(reset[:, :, None, None], 0)
@@ -690,10 +785,10 @@ class _CausalConv(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_pad, w, keep = ctx.saved_tensors
         width, L = w.shape[1], grad_out.shape[1]
-        grad_x_pad = torch.zeros_like(x_pad, dtype=grad_out.dtype)  # (b, d_conv-1+L, C)
-        grad_w = torch.empty_like(w, dtype=grad_out.dtype)  # (C, d_conv)
+        grad_x_pad = torch.zeros_like(x_pad, dtype=grad_out.dtype)  # (b, d_conv-1+L, ED)
+        grad_w = torch.empty_like(w, dtype=grad_out.dtype)  # (ED, d_conv)
         for k in range(width):  # out_t = Σ_k w_k·x_pad_{t+k}: tap k read x_pad[:, k:k+L]
-            grad_k = grad_out if keep is None else grad_out * keep[:, :, k, None]  # (b, L, C)
+            grad_k = grad_out if keep is None else grad_out * keep[:, :, k, None]  # (b, L, ED)
             grad_x_pad[:, k:k + L].addcmul_(grad_k, w[:, k])
             grad_w[:, k] = (grad_k * x_pad[:, k:k + L]).sum((0, 1))
         grad_bias = grad_out.sum((0, 1)) if ctx.has_bias else None
@@ -734,8 +829,9 @@ class _CausalConv(torch.autograd.Function):
 # pscan.py's appendix C says). Nor is this pscan.py's two-level scan (its section 7), which scans
 # every chunk from a zero state and corrects each by its carried-in state: the fused path has no correction pass.
 #
-# The chunk length T = 16 (chunk_size) was measured: 32 halves the number of calls but trains
-# slower (the backward kernel grows) and compiles twice as long.
+# The chunk length T (MambaConfig.chunk_size, 16 by default) trades the number of calls against
+# the size of the compiled kernels: a longer chunk halves the calls but unrolls a longer loop, in
+# the backward above all, which compiles for longer.
 #
 # The loop over chunks. Each call of a compiled function has a fixed cost, paid in Python
 # (guards, wrappers): tens of microseconds on a CPU, as much as the kernel of a small chunk.
@@ -959,12 +1055,13 @@ chunked_selective_scan = fused_selective_scan  # deprecated alias: "chunked" nam
 # The public entry point. It takes the arguments of the official selective_scan_fn, except that Δ
 # arrives already through softplus (no delta_bias, delta_softplus) and the layout is (b, L, ED),
 # not (b, ED, L). It sends each call to eager_selective_scan (section 2's reference with the
-# backward above) or to the fused path.
+# backward above), to the fused path, or with "reference" to section 2's code itself.
 #
 # The eager backends name the pscan.py scan that runs the recurrence; "fused" is this section's
 # chunk-by-chunk path, which runs its own loop. "chunked" is accepted for "fused" with a
 # DeprecationWarning: the word belongs to Mamba-2's chunked SSD (mamba2_minimal.py).
-SCAN_BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative", "fused", "chunked")
+SCAN_BACKENDS = ("auto", "reference", "sequential", "pscan", "hillis_steele", "two_level", "associative", "fused",
+                 "chunked")
 FUSED_BACKENDS = ("fused", "chunked")
 COMPILE_MODES = (False, True, "loop")
 
@@ -978,7 +1075,8 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
         x, delta, A, B, C, D, z, h0: as in selective_scan_reference (section 2)
         backend: "sequential", "pscan", "hillis_steele", "two_level", "associative" (the pscan.py
                  scan that eager_selective_scan runs over materialized tensors), "auto" (pscan.scan's
-                 choice), or "fused" (the fused path of this section; "chunked": deprecated, "fused")
+                 choice), "fused" (the fused path of this section; "chunked": deprecated, "fused"),
+                 or "reference" (selective_scan_reference itself, plain autograd)
         compile: False; True to run the fused path through torch.compile (implies
                  backend="fused"), chunk by chunk; "loop" to compile, for forward-only passes,
                  the loop over chunks as well (faster on long sequences, but every new process
@@ -994,7 +1092,9 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
         warnings.warn('selective_scan: backend="chunked" is deprecated, it is the fused path: use "fused"',
                       DeprecationWarning, stacklevel=2)
     out_dtype = x.dtype
-    if compile or backend in FUSED_BACKENDS:
+    if backend == "reference":
+        y, h_last = selective_scan_reference(x, delta, A, B, C, D, z, h0, reset=reset)
+    elif compile or backend in FUSED_BACKENDS:
         y, h_last = fused_selective_scan(x, delta, A, B, C, D, z, h0, chunk_size, recompute, compile, reset)
     else:
         y, h_last = eager_selective_scan(x, delta, A, B, C, D, z, h0, backend, reset)
@@ -1209,10 +1309,11 @@ def load_weights(model, folder, device=None, dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 8. Using a model for real: caches, packed sequences, padding, sampling, weight decay
+# 8. Using a model for real: caches, packed sequences, padding
 # ------------------------------------------------------------------------------------------------
 # Options of MambaLM.forward (and prefill) that serving and training on real data need; none of
-# them changes what the model computes for one whole sequence. Each is checked in the appendix.
+# them changes what the model computes for one whole sequence. The mixer applies them (section 3);
+# each is checked in the appendix.
 #
 #   cache           a cache as prefill returns it: continue from its states (it is not modified),
 #                   so any split of a sequence into pieces gives the logits and final cache of one pass
@@ -1224,8 +1325,7 @@ def load_weights(model, folder, device=None, dtype=None):
 #                   computes alone (the logits at padded positions mean nothing)
 #
 # The conv needs the most care: its taps look d_conv-1 tokens back, into the cache's buffer or
-# into the previous packed sequence. After these, the filters of sample_next (top-k, top-p) and
-# the weight-decay groups of MambaLM.optim_groups.
+# into the previous packed sequence (conv_keep and conv_buffer_after, section 3).
 
 def seq_idx_from_cu_seqlens(cu_seqlens):
     """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
@@ -1236,73 +1336,6 @@ def seq_idx_from_cu_seqlens(cu_seqlens):
                          f"increasing, got {cu_seqlens!r}")
     lengths = cu_seqlens.diff()  # (n,)
     return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths).unsqueeze(0)
-
-
-def zero_padding(t, attention_mask):
-    """t (b, L, ...) with zeros where attention_mask (b, L) is 0 (padding); t itself without a mask."""
-    return t if attention_mask is None else t * attention_mask[..., None]
-
-
-def conv_keep(seq_idx, width, dtype):
-    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an
-    input of another sequence (the inputs before the first token count as the first sequence's)."""
-    L = seq_idx.shape[1]
-    seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, width-1+L)
-    return torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(dtype)
-
-
-def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
-    """The conv's rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros
-    before the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
-    tensor of `dtype`, so a cache does not keep the prompt's activations alive. With seq_idx, the
-    inputs of earlier sequences are zeros: the buffer is the last sequence's alone."""
-    x_in = x_in.transpose(1, 2)  # (b, ED, L)
-    if conv_state is None:
-        state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
-    else:
-        state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
-    if seq_idx is not None:
-        seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
-        state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
-    return state.to(dtype).clone(memory_format=torch.contiguous_format)
-
-
-def mamba_cache_spec(mixer, batch):
-    """MambaMixer.cache_spec: the layer's cache as (name, shape, what the dims are, dtype); the
-    SSM state is fp32 at least, like the scan."""
-    cfg = mixer.cfg
-    return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", mixer.conv1d.weight.dtype),
-            ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
-             _at_least_fp32(mixer.A_log).dtype))
-
-
-def top_k_top_p(logits, top_k=None, top_p=None):
-    """sample_next's filters: logits (b, V) -> (b, V) with -inf outside the top_k tokens and outside
-    the smallest set whose probabilities sum to at least top_p."""
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (b, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits
-
-
-def optim_groups(model, weight_decay):
-    """MambaLM.optim_groups: AdamW groups. Matrices decay; A_log (decay would pull every A towards
-    -1), D, norms and biases do not. Tied weights appear once."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.dim() < 2 or name.endswith("A_log"):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1330,6 +1363,12 @@ def _check_config(cfg):
     _check_backend(cfg.scan_backend, "MambaConfig.scan_backend")
     if cfg.compile_scan not in COMPILE_MODES:
         raise ValueError(f"MambaConfig.compile_scan must be one of {COMPILE_MODES}, got {cfg.compile_scan!r}")
+    if cfg.scan_backend == "reference" and cfg.compile_scan:
+        raise ValueError("MambaConfig.scan_backend='reference' runs sections 2 and 3 as written, compile_scan "
+                         "runs section 6's fused path: choose one")
+    if isinstance(cfg.norm_epsilon, bool) or not isinstance(cfg.norm_epsilon, (int, float)) \
+            or not 0 < cfg.norm_epsilon < math.inf:
+        raise ValueError(f"MambaConfig.norm_epsilon must be a positive number, got {cfg.norm_epsilon!r}")
     if cfg.dt_init not in ("random", "constant"):
         raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {cfg.dt_init!r}")
     if not 0 < cfg.dt_min <= cfg.dt_max:
@@ -1338,7 +1377,7 @@ def _check_config(cfg):
 
 def _check_backend(backend, what):
     # an eager backend is a pscan.py scan: pscan.BACKENDS decides which names it knows
-    known = tuple(b for b in SCAN_BACKENDS if b in FUSED_BACKENDS or b in pscan.BACKENDS)
+    known = tuple(b for b in SCAN_BACKENDS if b in FUSED_BACKENDS or b in pscan.BACKENDS or b == "reference")
     if backend not in known:
         raise ValueError(f"{what} must be one of {known}, got {backend!r}")
 
@@ -1347,11 +1386,13 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, 
     _check_backend(backend, "backend")
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
+    if backend == "reference" and compile:
+        raise ValueError("backend='reference' runs section 2's code, compile runs the fused path: choose one")
     for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got a {type(t).__name__}")
     if x.dim() != 3:
-        raise ValueError(f"x must have shape (B, L, ED) (batch, length, channels), got {tuple(x.shape)}")
+        raise ValueError(f"x must have shape (b, L, ED) (batch, length, channels), got {tuple(x.shape)}")
     b, l, ed = x.shape
     if l == 0:
         raise ValueError("the sequence length must be at least 1, got x of shape (batch, 0, ED)")
@@ -1379,7 +1420,7 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, 
 
 
 def _check_token_ids(input_ids, rank=2):
-    shape = "(B, L)" if rank == 2 else "(B,)"
+    shape = "(b, L)" if rank == 2 else "(b,)"
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != rank:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a tensor of shape {shape} (batch{', length' if rank == 2 else ''}), "

@@ -10,7 +10,8 @@ The lesson: 1. the loop (scan_sequential), 2. the convolution view (why S4 neede
 scan), 3. the combine rule, 4. work and depth, 5. the Brent-Kung tree (pscan), 6. the
 Hillis-Steele scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan().
 An appendix holds the engine: A. double backward, jvp, vmap; B. torch's associative_scan;
-C. how "auto" chooses; D. counting combines; E. checking the inputs.
+C. how "auto" chooses; D. counting combines; E. checking the inputs; F. segment sums, the decays
+of the matrix (attention) form that Mamba-2 and Mamba-3 use.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
@@ -24,7 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["scan_sequential", "scan_time_invariant", "pscan", "scan_hillis_steele", "scan_two_level",
-           "scan_chunked", "scan", "BACKENDS", "scan_associative", "choose_backend", "count_combines"]
+           "scan_chunked", "scan", "BACKENDS", "scan_associative", "choose_backend", "count_combines",
+           "segsum"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -611,3 +613,23 @@ def _check_time_invariant_inputs(a, b, h0):
 def _check_chunk_size(chunk_size):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# F. Segment sums
+# ------------------------------------------------------------------------------------------------
+# Unrolled from a zero state, h_t = Σ_{s≤t} (a_{s+1}···a_t)·b_s: a matrix times the b's, whose
+# entry (t, s) is the a-part of the steps s+1:t+1 (section 3's notation). Mamba-2 and Mamba-3 run
+# their chunks in this form, with log-decays a_t = Δ_t·A, where the product is exp of a sum
+# (mamba2_minimal.py section 2 says why this way of summing, without a subtraction).
+
+def segsum(a):
+    """a (..., T) -> (..., T, T) with [t, s] = a_{s+1} + ... + a_t for s ≤ t (0 on the diagonal)
+    and -inf above it, so that exp() of it is the decay mask. Each entry is summed from zero,
+    never as a difference of two running sums."""
+    T = a.shape[-1]
+    below = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)  # s < t
+    a_ks = torch.where(below, a.unsqueeze(-1), 0)  # (..., T, T): entry (k, s) = a_k if s < k, else 0
+    sums = a_ks.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} a_k
+    causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()  # s ≤ t
+    return sums.masked_fill(~causal, -torch.inf)
