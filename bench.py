@@ -418,14 +418,15 @@ def training_step_table(title, models, ids, vocab, args, device, autocast=None):
 
 def bench_train(args, device):
     """The trainer's default Mamba (d_state 2, eager, backend "auto") against the GPT yardstick and
-    Mamba-2's default, with the alternatives beside it: d_state 4 and 16, each scan backend, the fused
-    path eager and compiled."""
+    Mamba-2's default, with the alternatives beside it: the read path (sections 2 and 3 under
+    autograd), d_state 4 and 16, each scan backend, the fused path eager and compiled."""
     import mamba2_minimal as m2
     gpu = dict(d_model=384, n_layer=7) if device.type == "cuda" else {}  # on a GPU: wider, as the GPU defaults
     batch, block, vocab = (2, 16, 65) if args.quick else (12, 64, 65)
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
     for name, kw in [("mamba default (d_state 2, auto)", {}),
+                     ("mamba read path (reference)", dict(scan_backend="reference")),
                      ("mamba d_state 4", dict(d_state=4)),
                      ("mamba d_state 16", dict(d_state=16)),
                      ("mamba sequential", dict(scan_backend="sequential")),
