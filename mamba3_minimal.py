@@ -781,11 +781,10 @@ def load_pretrained(cls, path, device=None, dtype=None, **overrides):
     code is refused), with this file's config_from_dict and fp32 list."""
     folder = mm._resolve_folder(path)
     model = cls(config_from_dict(mm.read_config_json(folder), **overrides))
-    model.load_state_dict(mm.convert_state_dict(mm._load_state_dict_file(folder), model), strict=True)
-    model.to(device=device)
-    if dtype is not None:
+    if dtype is not None:  # before the weights arrive, so that no fp32 stage rounds fp64 weights
         cast_parameters(model, dtype)
-    return model.eval()
+    model.load_state_dict(mm.convert_state_dict(mm._load_state_dict_file(folder), model), strict=True)
+    return model.to(device=device).eval()
 
 
 # Which A a checkpoint needs. Official main computes A with the heavy-tail activation, the March

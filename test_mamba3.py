@@ -752,6 +752,15 @@ def test_official_layout_round_trips_strictly(tmp_path):
     assert half.backbone.layers[0].mixer.out_proj.weight.dtype == torch.bfloat16
 
 
+def test_a_float64_checkpoint_loads_in_float64_without_rounding(tmp_path):
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2)).double())  # digits beyond fp32
+    write_official_checkpoint(tmp_path, model)
+    loaded = Mamba3LM.from_pretrained(str(tmp_path), dtype=torch.float64)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert b.dtype == torch.float64 and torch.equal(a, b), name
+
+
 def test_safetensors_without_the_tied_head_loads(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     torch.manual_seed(0)
