@@ -752,6 +752,26 @@ def test_official_layout_round_trips_strictly(tmp_path):
     assert half.backbone.layers[0].mixer.out_proj.weight.dtype == torch.bfloat16
 
 
+def test_the_published_layout_loads_bf16_weights_strictly(tmp_path):
+    """As official MambaLMHeadModel.save_pretrained writes a model trained in bf16: config.json
+    holds exactly MambaConfig's fields, the weights are bf16 and include the tied lm_head."""
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2, pad_vocab_size_multiple=16)))
+    model.bfloat16().float()  # every weight a bf16 value
+    config = dict(d_model=16, d_intermediate=0, n_layer=2, vocab_size=29,
+                  ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8, ngroups=2, is_mimo=True, mimo_rank=2,
+                               chunk_size=4),
+                  attn_layer_idx=[], attn_cfg={}, rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
+                  pad_vocab_size_multiple=16, tie_embeddings=True)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    assert loaded.lm_head.weight.shape == (32, 16) and loaded.lm_head.weight is loaded.backbone.embedding.weight
+    ids = torch.randint(0, 29, (2, 9))
+    assert torch.equal(loaded(ids), model(ids))
+
+
 def test_a_float64_checkpoint_loads_in_float64_without_rounding(tmp_path):
     torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2)).double())  # digits beyond fp32
