@@ -733,7 +733,8 @@ class Mamba3LM(mm.MambaLM):
 # "Mamba3", and any Mamba3 argument: d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
 # attn_layer_idx, attn_cfg, rms_norm, residual_in_fp32, fused_add_norm, pad_vocab_size_multiple,
 # tie_embeddings; the weights in pytorch_model.bin (or model.safetensors) under our names. The
-# tests write their own checkpoints.
+# published Mamba-3 checkpoints (state-spaces/mamba3-*) come in this layout; which A they need is
+# A_variant_losses' question (below). The tests write their own checkpoints.
 
 _OFFICIAL_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
                         "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
@@ -806,6 +807,11 @@ def A_variant_losses(path_or_model, input_ids, **load_kwargs):
         before it, over the model's padded vocabulary (its logits as they come), averaged over
         the b·(L − 1) predictions. A model passed in is left with the A_activation it had.
     """
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
+            or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2):
+        raise ValueError(f"input_ids must be an integer tensor of shape (b, L) with b >= 1 and L >= 2, got "
+                         f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
+                         f" of shape {_shape(input_ids)}")
     if isinstance(path_or_model, Mamba3LM):
         if load_kwargs:
             raise ValueError(f"load_kwargs apply to a path only, got {sorted(load_kwargs)} with a loaded model")
@@ -813,12 +819,7 @@ def A_variant_losses(path_or_model, input_ids, **load_kwargs):
     else:
         model = Mamba3LM.from_pretrained(path_or_model, **load_kwargs)
     cfg = model.cfg
-    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
-            or input_ids.dim() != 2 or input_ids.shape[1] < 2):
-        raise ValueError(f"input_ids must be an integer tensor of shape (b, L) with L >= 2, got "
-                         f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
-                         f" of shape {_shape(input_ids)}")
-    if input_ids.numel() and not 0 <= input_ids.min() <= input_ids.max() < cfg.vocab_size:
+    if not 0 <= input_ids.min() <= input_ids.max() < cfg.vocab_size:
         raise ValueError(f"input_ids must lie in [0, vocab_size = {cfg.vocab_size}), got "
                          f"[{input_ids.min().item()}, {input_ids.max().item()}]")
     ids = input_ids.to(model.lm_head.weight.device)

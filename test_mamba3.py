@@ -890,7 +890,8 @@ def test_A_variant_losses_name_the_variant_a_model_was_built_with(trained_with):
 
 @pytest.mark.parametrize("ids,message", [
     (torch.ones(2, 5), "integer tensor of shape"), (torch.ones(5, dtype=torch.long), "integer tensor of shape"),
-    (torch.ones(2, 1, dtype=torch.long), "L >= 2"), (torch.full((1, 4), 29), r"in \[0, vocab_size = 29\)"),
+    (torch.ones(2, 1, dtype=torch.long), "L >= 2"), (torch.ones(0, 4, dtype=torch.long), "b >= 1"),
+    (torch.full((1, 4), 29), r"in \[0, vocab_size = 29\)"),
 ])
 def test_A_variant_losses_refuse_what_is_not_token_ids(ids, message):
     with pytest.raises(ValueError, match=message):
