@@ -759,7 +759,8 @@ def config_from_dict(d, **overrides):
         raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
                          f"(Mamba1: mamba_minimal.MambaLM, Mamba2: mamba2_minimal.Mamba2LM)")
     if d.get("d_intermediate", 0):
-        raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) is not supported")
+        raise ValueError(f"d_intermediate = {d['d_intermediate']} (the official GatedMLP after every mixer, weights "
+                         f"norm2 and mlp.fc1/fc2) is not supported; Mamba3LM builds pure Mamba-3 blocks")
     if d.get("attn_layer_idx"):
         raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
     if d.get("rms_norm") is False:

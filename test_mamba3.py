@@ -909,3 +909,13 @@ def test_configs_that_are_not_this_model_are_refused(tmp_path, ssm_cfg, message)
     write_official_checkpoint(tmp_path, Mamba3LM(small_config()), ssm_cfg=dict(ssm_cfg, headdim=8, ngroups=2))
     with pytest.raises(ValueError, match=message):
         Mamba3LM.from_pretrained(str(tmp_path))
+
+
+def test_an_mlp_after_every_mixer_is_refused_by_name(tmp_path):
+    write_official_checkpoint(tmp_path, Mamba3LM(small_config()))
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(config, d_intermediate=64), f)
+    with pytest.raises(ValueError, match=r"d_intermediate = 64 \(the official GatedMLP after every mixer"):
+        Mamba3LM.from_pretrained(str(tmp_path))
