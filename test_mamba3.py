@@ -378,7 +378,7 @@ def test_the_step_keeps_the_angle_in_0_2pi_equal_to_the_float64_sum_mod_2pi():
 def test_a_long_sequence_in_fp32_matches_float64_in_its_outputs():
     """4096 tokens turning the same way in chunks of 64, fp32 against the float64 loop: the outputs
     to 1e-5 of their largest value (1.9e-6). The chunks' starts add up chunk turns reduced mod 2π;
-    unreduced ones (about 47 rad a chunk here) round the starts at their size and shift every later
+    unreduced ones (about 47 rad a chunk in this test) round the starts at their size and shift every later
     chunk's angles: 6.7e-5."""
     inputs = mamba3_inputs(b=1, L=4096, H=1, P=1, G=1, N=2, R=1, S=1, seed=6)
     inputs["theta"] = inputs["theta"].abs()
