@@ -72,10 +72,11 @@ PAIRINGS = ("adjacent", "halves")
 # ------------------------------------------------------------------------------------------------
 # 1. The recurrence
 # ------------------------------------------------------------------------------------------------
-# One head, one token (the paper's recurrence, as the official Mamba3.step computes it; its tests'
-# mamba3_siso_step_ref is the same for SISO, while their mamba3_MIMO_step_ref rotates adjacent
-# entries and lets the angle grow, where Mamba3.step, the MIMO kernels and this file rotate
-# entry j with j + N/2 for MIMO and keep the angle in [0, 2π)):
+# One head, one token (the paper's recurrence, as the official Mamba3.step computes it, and the
+# official tests' mamba3_siso_step_ref for SISO; their mamba3_MIMO_step_ref rotates adjacent
+# entries, where Mamba3.step, the MIMO kernels and this file rotate entry j with j + N/2 for
+# MIMO. The mod 2π is this file's and the official forward kernels': section 2 says why, and
+# that Mamba3.step leaves it out):
 #
 #     angle_t = angle_{t-1} + Δ_t·θ_t  (mod 2π)            one angle per rotated pair of q and k
 #     q̃_t, k̃_t = q_t, k_t (plus their per-head bias) rotated by angle_t    (section 2)
@@ -221,11 +222,20 @@ def scalar_ode_step(rule, h, A, dt, u_prev, u_now, lam=0.5):
 # with R(φ) the 2x2 rotation by φ. So the complex state is a real state fed with keys rotated by
 # their own φ_s and read with queries rotated by φ_t: RoPE, except that the angles are not the
 # positions times fixed frequencies but a running sum of data-dependent increments Δ_s·θ_s. The
-# state stays real and no complex arithmetic runs. The angle itself is the fourth part of the
-# recurrent state; only its value mod 2π matters to cos and sin, and keeping it in [0, 2π) bounds
-# each step's rounding at half an fp32 ulp of 2π (2.4e-7), where a raw sum's grows with its size
-# (an fp32 ulp is 5e-4 at 5000). The steps' errors still add up, to about 1e-3 rad after 65,536
-# tokens in fp32.
+# state stays real and no complex arithmetic runs.
+#
+# The angle itself is the fourth part of the recurrent state, and only its value mod 2π matters
+# to cos and sin. This file keeps it in [0, 2π) at every token, in the loop, the step and the
+# chunked form, as the official forward kernels do (angle_dt in ops/triton/mamba3/angle_dt.py
+# takes each cumsum and the carried sum mod 2π). The official Mamba3.step does not: its rotary
+# kernel (apply_rotary_qk_inference_fwd in ops/triton/mamba3/mamba3_mimo_rotary_step.py) stores
+# angle + π·tanh(·)·Δ as it is, so during generation the stored fp32 angle grows by up to π·Δ
+# per token, and every later step rounds at its size (an fp32 ulp is 4.9e-4 at 5,000 rad).
+# Reduced, a step rounds at the size of 2π (an ulp of 4.8e-7). The two give the same outputs up
+# to that rounding, since cos and sin are periodic. One error the reduction cannot remove: fp32's
+# 2π is 1.7e-7 above the true one, so each wrap lowers the absolute angle by that much, about
+# 1e-3 rad after 65,536 tokens turning 0.7 rad each; the outputs see only differences of angles,
+# whose share is the wraps between the two tokens.
 #
 # Which entries pair up is a convention of the official kernels: the SISO path rotates adjacent
 # entries (2j, 2j + 1), the MIMO path entries j and j + N/2 (their `rotate_pairwise` flag). Only
@@ -313,8 +323,10 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
         reset = F.pad(reset, (0, pad))  # (b, L')
         adt = torch.where(reset[..., None], -torch.inf, adt)
 
-    # the accumulated angles: a cumsum inside each chunk, plus each chunk's start; the starts sum
-    # the earlier chunks' turns, each reduced mod 2π first, so that no sum grows with L
+    # the accumulated angles: a cumsum inside each chunk, plus each chunk's start. The starts add up
+    # the earlier chunks' turns, each reduced mod 2π first: their sum grows by at most 2π a chunk,
+    # not by the raw turn of a chunk (which can be many times 2π), so it is rounded at a smaller
+    # size; it is reduced again before it meets a chunk's cumsum
     turn = (dt[..., None] * theta).unflatten(1, (n_chunks, T))  # (b, c, T, H, S)  Δ·θ per token
     within = turn.cumsum(2)  # (b, c, T, H, S)
     chunk_turns = torch.remainder(within[:, :, -1], TWO_PI)  # (b, c, H, S)
@@ -395,10 +407,40 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
 # The official MambaLMHeadModel picks its mixer by ssm_cfg["layer"]; with "Mamba3" it builds the
 # Mamba3 module below, and the rest (embedding, pre-norm residual blocks with an fp32 residual
 # stream, norm_f, tied head, mixer_seq_simple's init) is Mamba-1's, as in mamba2_minimal.py.
+#
+# A is data-dependent: in_proj gives each head a number dd_A per token, and A = -f(dd_A) with f
+# positive, clamped to A ≤ -A_floor. Official main (since commit c69aaab, PR #962, "Stabilize
+# data-dependent A with heavy-tail activation") takes for f the heavy-tail activation below; the
+# March 2026 release (commit 5235bdc) took softplus. The two differ everywhere (f(0) = 1 against
+# log 2) and most for negative dd_A, where softplus(x) ≈ e^x vanishes (4.5e-5 at x = -10, under
+# the floor) and 1/(1 − x) only slowly (0.09 at -10): a decay rate that can shrink to nothing is
+# what made training unstable at higher learning rates (the PR's report). Weights trained with one
+# f give different outputs with the other, so the config names which: A_activation.
+
+A_ACTIVATIONS = ("heavy_tail", "softplus")
+
+
+def heavy_tail_activation(x):
+    """f(x) = 1 + x for x ≥ 0 and 1/(1 − x) for x < 0: positive, continuous, slope 1 at 0 from
+    both sides (official mamba_ssm/modules/mamba3.py, heavy_tail_activation). Each branch reads
+    its own clamped copy of x, so that neither divides by zero where it is not used (a torch.where
+    of the two would, and its gradient would be NaN there)."""
+    return x.clamp(min=0) + 1 / (1 - x.clamp(max=0))
+
 
 @dataclass
 class Mamba3Config:
-    """Field names and defaults follow the official Mamba3 module and MambaConfig (config_mamba.py)."""
+    """Field names and defaults follow the official Mamba3 module at official main (e9594ce) and
+    MambaConfig (config_mamba.py).
+
+    A_activation is not an official argument: "heavy_tail" (the default) computes A as official
+    main does, "softplus" as the March 2026 release did, for weights trained with that code.
+    Which of the two the published checkpoints (the state-spaces/mamba3-* models on the Hugging
+    Face hub) were trained with is written neither in their config.json nor in their weights, and
+    cannot be checked without downloading them: A_variant_losses (section 6) runs a checkpoint
+    both ways on text the caller tokenizes, and the variant it was trained with gives the clearly
+    lower loss.
+    """
     d_model: int
     n_layer: int
     vocab_size: int
@@ -411,6 +453,7 @@ class Mamba3Config:
     dt_max: float = 0.1
     dt_init_floor: float = 1e-4
     A_floor: float = 1e-4
+    A_activation: str = "heavy_tail"  # or "softplus": the March 2026 release's A (see above)
     is_outproj_norm: bool = False
     is_mimo: bool = False
     mimo_rank: int = 4  # used only with is_mimo (the official module sets the rank to 1 otherwise)
@@ -445,6 +488,9 @@ class Mamba3Config:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
         if not self.A_floor > 0:
             raise ValueError(f"A_floor must be positive (A <= -A_floor keeps every step decaying), got {self.A_floor!r}")
+        if self.A_activation not in A_ACTIVATIONS:
+            raise ValueError(f"Mamba3Config.A_activation must be one of {A_ACTIVATIONS} (\"heavy_tail\": official "
+                             f"main; \"softplus\": the March 2026 release), got {self.A_activation!r}")
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba3Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
 
@@ -480,14 +526,16 @@ class Mamba3Mixer(nn.Module):
                  ├─ x ───────────────────────────────── v ─┐                           │
                  ├─ B, C ─ RMSNorm ─────────────────── k, q ┤                           │
                  ├─ dd_dt ─ softplus(· + dt_bias) ───── Δ ──┤                           │
-                 ├─ dd_A ─ −softplus(·), ≤ −A_floor ─── A ──┼─ Mamba-3 SSM (+D·v) ─ ·SiLU(z)
+                 ├─ dd_A ─ −f(·), ≤ −A_floor ────────── A ──┼─ Mamba-3 SSM (+D·v) ─ ·SiLU(z)
                  ├─ trap ─ sigmoid ──────────────────── λ ──┤   (optional per-head RMSNorm
                  └─ angles ─ π·tanh ─────────────────── θ ──┘    first) ─ out_proj
 
     Everything the SSM reads comes from in_proj, per token: Δ, A, λ and the angular velocities
-    θ as well as v, k, q. B and C are normalized (RMSNorm over N) and then get a learned bias per
-    head and rank, initialised to 1. With MIMO, z is lifted to R gates by
-    mimo_z, and mimo_o mixes the R gated outputs back into one per head.
+    θ as well as v, k, q. f is the heavy-tail activation of official main (or softplus, the March
+    2026 release's, with A_activation = "softplus"; see heavy_tail_activation). B and C are
+    normalized (RMSNorm over N) and then get a learned bias per head and rank, initialised to 1.
+    With MIMO, z is lifted to R gates by mimo_z, and mimo_o mixes the R gated outputs back into
+    one per head.
     """
 
     def __init__(self, cfg: Mamba3Config):
@@ -539,8 +587,9 @@ class Mamba3Mixer(nn.Module):
         z, x, B, C, dd_dt, dd_A, trap, angles = zxbc.split(self.split_sizes, dim=-1)
         k = self.B_norm(B.unflatten(-1, (R, G, N)))  # (..., R, G, N)
         q = self.C_norm(C.unflatten(-1, (R, G, N)))  # (..., R, G, N)
-        # negated, then clamped: A ≤ -A_floor < 0, so every step decays (mamba_ssm/modules/mamba3.py)
-        A = (-F.softplus(_at_least_fp32(dd_A))).clamp(max=-cfg.A_floor)  # (..., H)
+        # A = -f(dd_A), then clamped: A ≤ -A_floor < 0, so every step decays (official Mamba3.forward)
+        f = heavy_tail_activation if cfg.A_activation == "heavy_tail" else F.softplus
+        A = (-f(_at_least_fp32(dd_A))).clamp(max=-cfg.A_floor)  # (..., H)
         dt = F.softplus(_at_least_fp32(dd_dt) + _at_least_fp32(self.dt_bias))  # (..., H)  Δ
         lam = torch.sigmoid(_at_least_fp32(trap))  # (..., H)
         theta = math.pi * torch.tanh(_at_least_fp32(angles))  # (..., S), the same for every head
@@ -679,17 +728,23 @@ class Mamba3LM(mm.MambaLM):
 # ------------------------------------------------------------------------------------------------
 # 6. Loading checkpoints
 # ------------------------------------------------------------------------------------------------
-# The official layout: config.json with d_model, n_layer, vocab_size, d_intermediate = 0,
-# ssm_cfg = {"layer": "Mamba3", d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
-# rms_norm, residual_in_fp32, pad_vocab_size_multiple, tie_embeddings; the weights in
-# pytorch_model.bin (or model.safetensors) under our names. The tests write their own checkpoints.
+# The official layout (official MambaLMHeadModel.save_pretrained, mixer_seq_simple.py): config.json
+# holds MambaConfig's fields, d_model, d_intermediate, n_layer, vocab_size, ssm_cfg = {"layer":
+# "Mamba3", and any Mamba3 argument: d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
+# attn_layer_idx, attn_cfg, rms_norm, residual_in_fp32, fused_add_norm, pad_vocab_size_multiple,
+# tie_embeddings; the weights in pytorch_model.bin (or model.safetensors) under our names. The
+# published Mamba-3 checkpoints (state-spaces/mamba3-*) come in this layout; which A they need is
+# A_variant_losses' question (below). The tests write their own checkpoints.
 
 _OFFICIAL_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
                         "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
-# official Mamba3 arguments that only change how it runs
-_OFFICIAL_IGNORED = {"dropout", "layer_idx", "n_layer"}
-_OFFICIAL_TOP_IGNORED = {"fused_add_norm", "initializer_cfg", "ssm_cfg", "d_intermediate", "rms_norm",
-                         "attn_layer_idx", "attn_cfg"}
+# official Mamba3 arguments (official main, e9594ce) that change only how it runs:
+# fuse_pregate_headwise_norm moves MIMO's output norm and gate into the kernel (the same
+# arithmetic), dropout is unused, layer_idx and n_layer place the layer, device and dtype say
+# where and in what its parameters are made
+_OFFICIAL_IGNORED = {"fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer", "device", "dtype"}
+# not an official argument: this file's choice of A (Mamba3Config.A_activation)
+_OUR_SSM_FIELDS = {"A_activation"}
 
 
 def config_from_dict(d, **overrides):
@@ -704,12 +759,13 @@ def config_from_dict(d, **overrides):
         raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
                          f"(Mamba1: mamba_minimal.MambaLM, Mamba2: mamba2_minimal.Mamba2LM)")
     if d.get("d_intermediate", 0):
-        raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) is not supported")
+        raise ValueError(f"d_intermediate = {d['d_intermediate']} (the official GatedMLP after every mixer, weights "
+                         f"norm2 and mlp.fc1/fc2) is not supported; Mamba3LM builds pure Mamba-3 blocks")
     if d.get("attn_layer_idx"):
         raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
     if d.get("rms_norm") is False:
         raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
-    unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED
+    unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED - _OUR_SSM_FIELDS
     if unknown:
         raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
     missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in d]
@@ -717,7 +773,7 @@ def config_from_dict(d, **overrides):
         raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
     ours = {f.name for f in fields(Mamba3Config)}
     kwargs = {k: v for k, v in d.items() if k in ours}
-    kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS})
+    kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS | _OUR_SSM_FIELDS})
     kwargs.update(overrides)
     return Mamba3Config(**kwargs)
 
@@ -727,11 +783,60 @@ def load_pretrained(cls, path, device=None, dtype=None, **overrides):
     code is refused), with this file's config_from_dict and fp32 list."""
     folder = mm._resolve_folder(path)
     model = cls(config_from_dict(mm.read_config_json(folder), **overrides))
-    model.load_state_dict(mm.convert_state_dict(mm._load_state_dict_file(folder), model), strict=True)
-    model.to(device=device)
-    if dtype is not None:
+    if dtype is not None:  # before the weights arrive, so that no fp32 stage rounds fp64 weights
         cast_parameters(model, dtype)
-    return model.eval()
+    model.load_state_dict(mm.convert_state_dict(mm._load_state_dict_file(folder), model), strict=True)
+    return model.to(device=device).eval()
+
+
+# Which A a checkpoint needs. Official main computes A with the heavy-tail activation, the March
+# 2026 release with softplus, and config.json does not say which one trained the weights. Running
+# the checkpoint both ways on real text answers it: the wrong A changes every decay rate, and with
+# them every logit, and its loss is the clearly higher one.
+
+@torch.no_grad()
+def A_variant_losses(path_or_model, input_ids, **load_kwargs):
+    """The mean next-token loss (nats per token) of a checkpoint with each A_activation.
+
+    Args:
+        path_or_model: a folder or hub id, as Mamba3LM.from_pretrained takes it (load_kwargs are
+                       passed on: device, dtype, overrides), or a loaded Mamba3LM
+        input_ids:     (b, L) token ids of some text, L ≥ 2, from the checkpoint's own tokenizer
+                       (this function reads ids only; tokenizing is the caller's)
+    Returns:
+        {"heavy_tail": loss, "softplus": loss}: the cross-entropy of each token given the ones
+        before it, over the model's padded vocabulary (its logits as they come), averaged over
+        the b·(L − 1) predictions. A model passed in is left with the A_activation it had.
+    """
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
+            or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2):
+        raise ValueError(f"input_ids must be an integer tensor of shape (b, L) with b >= 1 and L >= 2, got "
+                         f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
+                         f" of shape {_shape(input_ids)}")
+    if isinstance(path_or_model, Mamba3LM):
+        if load_kwargs:
+            raise ValueError(f"load_kwargs apply to a path only, got {sorted(load_kwargs)} with a loaded model")
+        model = path_or_model
+    else:
+        model = Mamba3LM.from_pretrained(path_or_model, **load_kwargs)
+    cfg = model.cfg
+    if not 0 <= input_ids.min() <= input_ids.max() < cfg.vocab_size:
+        raise ValueError(f"input_ids must lie in [0, vocab_size = {cfg.vocab_size}), got "
+                         f"[{input_ids.min().item()}, {input_ids.max().item()}]")
+    ids = input_ids.to(model.lm_head.weight.device)
+    kept = cfg.A_activation
+    losses = {}
+    try:
+        for variant in A_ACTIVATIONS:
+            cfg.A_activation = variant  # every mixer reads the model's one config
+            total = 0.0
+            for row in ids:  # one row at a time: a (L, vocab) logits tensor is the largest one held
+                logits = _at_least_fp32(model(row[None])[0, :-1])  # (L - 1, padded vocab)
+                total += F.cross_entropy(logits, row[1:], reduction="sum").item()
+            losses[variant] = total / (ids.shape[0] * (ids.shape[1] - 1))
+    finally:
+        cfg.A_activation = kept
+    return losses
 
 
 # ------------------------------------------------------------------------------------------------

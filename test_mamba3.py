@@ -1,7 +1,8 @@
 """Specification of mamba3_minimal.py: the recurrence and its chunked form, the rotation view, the
 discretization rules, the block, recurrent inference, loading. Every oracle is written here in
-float64, from the equations (paper arXiv 2603.15569; the official tests'
-mamba3_siso_step_ref and mamba3_MIMO_step_ref), independently of the code under test."""
+float64, from the equations (paper arXiv 2603.15569; the official Mamba3 module at official main,
+e9594ce, and its tests' mamba3_siso_step_ref and mamba3_MIMO_step_ref; the March 2026 release,
+5235bdc, for A_activation = "softplus"), independently of the code under test."""
 
 import json
 import math
@@ -357,6 +358,36 @@ def test_a_long_sequence_keeps_the_angle_in_range_and_close_in_fp32():
     assert abs(state[0].item() - exact) < 1e-3
 
 
+def test_the_step_keeps_the_angle_in_0_2pi_equal_to_the_float64_sum_mod_2pi():
+    """300 tokens turning the same way through mamba3_step (the loop runs it; so does generation):
+    the raw sum of Δ·θ passes 2π many times, the state's angle stays in [0, 2π) and equals the sum
+    mod 2π, in float64 to 1e-9 and in fp32 to 1e-4 (300 roundings at the size of 2π)."""
+    inputs = mamba3_inputs(b=1, L=300, H=1, P=1, G=1, N=2, R=1, S=1, seed=6)
+    inputs["theta"] = inputs["theta"].abs()
+    exact = math.fmod((inputs["dt"][..., None] * inputs["theta"]).sum().item(), 2 * math.pi)
+    assert (inputs["dt"][..., None] * inputs["theta"]).sum() > 20 * 2 * math.pi
+    _, state = m3.mamba3_sequential(**inputs)
+    assert 0 <= state[0].item() < 2 * math.pi
+    assert abs(state[0].item() - exact) < 1e-9
+    low = {n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    _, state = m3.mamba3_sequential(**low)
+    assert 0 <= state[0].item() < 2 * math.pi
+    assert abs(state[0].item() - exact) < 1e-4
+
+
+def test_a_long_sequence_in_fp32_matches_float64_in_its_outputs():
+    """4096 tokens turning the same way in chunks of 64, fp32 against the float64 loop: the outputs
+    to 1e-5 of their largest value (1.9e-6). The chunks' starts add up chunk turns reduced mod 2π;
+    unreduced ones (about 47 rad a chunk in this test) round the starts at their size and shift every later
+    chunk's angles: 6.7e-5."""
+    inputs = mamba3_inputs(b=1, L=4096, H=1, P=1, G=1, N=2, R=1, S=1, seed=6)
+    inputs["theta"] = inputs["theta"].abs()
+    y_ref, _ = reference_mamba3(**inputs)
+    low = {n: (t.float() if isinstance(t, torch.Tensor) else t) for n, t in inputs.items()}
+    y = m3.mamba3_chunked(**low, chunk_size=64)
+    assert (y.double() - y_ref).abs().max() / y_ref.abs().max() < 1e-5
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. The rotation view and the discretization rules
 # ------------------------------------------------------------------------------------------------
@@ -448,12 +479,31 @@ def small_config(**kw):
     return Mamba3Config(**{**base, **kw})
 
 
+def heavy_tail(x):
+    """Official main's f, element by element: 1 + x for x ≥ 0, 1/(1 − x) for x < 0."""
+    return torch.tensor([1 + v if v >= 0 else 1 / (1 - v) for v in x.flatten().tolist()],
+                        dtype=torch.float64).view(x.shape)
+
+
+def softplus(x):
+    """The March 2026 release's f, element by element: log(1 + e^x)."""
+    return torch.tensor([math.log1p(math.exp(v)) if v < 30 else v + math.log1p(math.exp(-v))
+                         for v in x.flatten().tolist()], dtype=torch.float64).view(x.shape)
+
+
+def reference_A(dd_A, A_activation, A_floor):
+    """A = −f(dd_A), then min(A, −A_floor): official main's f, or the March release's softplus."""
+    f = heavy_tail if A_activation == "heavy_tail" else softplus
+    return torch.minimum(-f(dd_A.double()), torch.tensor(-A_floor, dtype=torch.float64))
+
+
 def reference_mixer(mixer, u):
     """The official Mamba3.forward from its equations, in float64: in_proj split in the order
-    [z, x, B, C, dd_dt, dd_A, trap, angles]; B, C RMSNorm (eps 1e-5); A = −softplus(dd_A) clamped
-    at −A_floor; Δ = softplus(dd_dt + dt_bias); λ = sigmoid(trap);
-    θ = π·tanh(angles); the SSM (the oracle loop); per rank the optional per-head RMSNorm, the gate
-    SiLU(z·mimo_z[r]); mimo_o over the ranks; out_proj."""
+    [z, x, B, C, dd_dt, dd_A, trap, angles]; B, C RMSNorm (eps 1e-5); A = −f(dd_A) clamped at
+    −A_floor, f official main's heavy tail (or softplus for A_activation = "softplus", the March
+    release); Δ = softplus(dd_dt + dt_bias); λ = sigmoid(trap); θ = π·tanh(angles); the SSM (the
+    oracle loop); per rank the optional per-head RMSNorm, the gate SiLU(z·mimo_z[r]); mimo_o over
+    the ranks; out_proj."""
     cfg = mixer.cfg
     H, P, G, N = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
     R = cfg.mimo_rank if cfg.is_mimo else 1
@@ -465,7 +515,7 @@ def reference_mixer(mixer, u):
     rms = lambda t, w: t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w  # noqa: E731
     k = rms(B.unflatten(-1, (R, G, N)), sd["B_norm.weight"])
     q = rms(C.unflatten(-1, (R, G, N)), sd["C_norm.weight"])
-    A = torch.minimum(-torch.log1p(torch.exp(dd_A)), torch.tensor(-cfg.A_floor, dtype=torch.float64))
+    A = reference_A(dd_A, cfg.A_activation, cfg.A_floor)
     dt = F.softplus(dd_dt + sd["dt_bias"])
     theta = (math.pi * torch.tanh(angles)).unsqueeze(-2).expand(*angles.shape[:-1], H, S)
     y, _ = reference_mamba3(q, k, x.unflatten(-1, (H, P)), dt, A * dt, torch.sigmoid(trap), theta,
@@ -490,16 +540,56 @@ def perturbed(model):
     return model
 
 
-MIXER_CONFIGS = [dict(), dict(rope_fraction=1.0, ngroups=1), dict(is_outproj_norm=True), dict(is_mimo=True, mimo_rank=1),
-                 dict(is_mimo=True, mimo_rank=2), dict(is_mimo=True, mimo_rank=4, is_outproj_norm=True)]
+MIXER_CONFIGS = {"siso": dict(), "rope1": dict(rope_fraction=1.0, ngroups=1), "outproj_norm": dict(is_outproj_norm=True),
+                 "mimo1": dict(is_mimo=True, mimo_rank=1), "mimo2": dict(is_mimo=True, mimo_rank=2),
+                 "mimo4_norm": dict(is_mimo=True, mimo_rank=4, is_outproj_norm=True),
+                 "A_floor": dict(A_floor=0.5),  # the clamp acts on 23 of the 88 values of A
+                 "softplus": dict(A_activation="softplus"),
+                 "softplus_mimo2_norm": dict(A_activation="softplus", is_mimo=True, mimo_rank=2, is_outproj_norm=True)}
 
 
-@pytest.mark.parametrize("kw", MIXER_CONFIGS, ids=["siso", "rope1", "outproj_norm", "mimo1", "mimo2", "mimo4_norm"])
+@pytest.mark.parametrize("kw", MIXER_CONFIGS.values(), ids=MIXER_CONFIGS.keys())
 def test_mixer_matches_the_official_equations_in_float64(kw):
     torch.manual_seed(0)
     mixer = perturbed(m3.Mamba3Mixer(small_config(**kw)).double())
     u = torch.randn(2, 11, 16, dtype=torch.float64)
     torch.testing.assert_close(mixer(u), reference_mixer(mixer, u), atol=1e-10, rtol=1e-9)
+
+
+def test_the_two_A_activations_give_different_mixers():
+    """The same weights under official main's A and the March release's: the outputs must differ
+    (both are checked against their own equations above)."""
+    torch.manual_seed(0)
+    mixer = perturbed(m3.Mamba3Mixer(small_config()).double())
+    other = m3.Mamba3Mixer(small_config(A_activation="softplus")).double()
+    other.load_state_dict(mixer.state_dict())
+    u = torch.randn(2, 11, 16, dtype=torch.float64)
+    assert (mixer(u) - other(u)).abs().max() > 1e-2
+
+
+def test_heavy_tail_activation_by_hand():
+    x = torch.tensor([-3.0, -1.0, 0.0, 0.5, 2.0, 1.0], dtype=torch.float64, requires_grad=True)
+    y = m3.heavy_tail_activation(x)
+    torch.testing.assert_close(y, torch.tensor([0.25, 0.5, 1.0, 1.5, 3.0, 2.0], dtype=torch.float64))
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    # d/dx 1/(1 - x) = 1/(1 - x)²; 1 for x > 0; finite at x = 1, where 1/(1 - x) has its pole
+    torch.testing.assert_close(grad[[0, 1, 3, 4, 5]], torch.tensor([1 / 16, 0.25, 1.0, 1.0, 1.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("A_activation", m3.A_ACTIVATIONS)
+def test_A_is_clamped_at_minus_A_floor(A_activation):
+    """dd_A of -1e6 .. 1e4 through the mixer: A = −f(dd_A) where f(dd_A) ≥ A_floor, −A_floor below.
+    With A_floor 0.05 the clamp acts for dd_A < -19 (heavy tail) or < -2.97 (softplus)."""
+    mixer = m3.Mamba3Mixer(small_config(A_floor=0.05, A_activation=A_activation)).double()
+    H = mixer.cfg.nheads
+    dd_A = torch.tensor([[-1e6, -30.0, -9.0, -3.5], [-1.0, 0.0, 3.0, 1e4]], dtype=torch.float64)[:, :H]
+    zxbc = torch.zeros(2, sum(mixer.split_sizes), dtype=torch.float64)
+    start = sum(mixer.split_sizes[:5])  # [z, x, B, C, dd_dt] come before dd_A
+    zxbc[:, start:start + H] = dd_A
+    *_, dt, adt, _, _ = mixer._ssm_inputs(zxbc)
+    expected = reference_A(dd_A, A_activation, 0.05)
+    assert (expected[0, :2] == -0.05).all() and expected[1, 3] < -1e3  # the clamp acts, and not on large dd_A
+    torch.testing.assert_close(adt / dt, expected, rtol=1e-12, atol=0)
 
 
 def test_module_tree_and_shapes_follow_the_official_mamba3():
@@ -550,7 +640,8 @@ def test_config_rejects_what_the_official_module_refuses():
     for kw, message in ((dict(rope_fraction=0.25), "rope_fraction must be 0.5 or 1.0"),
                         (dict(headdim=7), "multiple of headdim"), (dict(ngroups=3), "multiple of ngroups"),
                         (dict(d_state=2), "at least one rotated pair"), (dict(is_mimo=1), "True or False"),
-                        (dict(A_floor=0.0), "A_floor must be positive"), (dict(mimo_rank=0), "positive integer")):
+                        (dict(A_floor=0.0), "A_floor must be positive"), (dict(mimo_rank=0), "positive integer"),
+                        (dict(A_activation="exp"), r"A_activation must be one of \('heavy_tail', 'softplus'\)")):
         with pytest.raises(ValueError, match=message):
             small_config(**kw)
 
@@ -661,6 +752,35 @@ def test_official_layout_round_trips_strictly(tmp_path):
     assert half.backbone.layers[0].mixer.out_proj.weight.dtype == torch.bfloat16
 
 
+def test_the_published_layout_loads_bf16_weights_strictly(tmp_path):
+    """As official MambaLMHeadModel.save_pretrained writes a model trained in bf16: config.json
+    holds exactly MambaConfig's fields, the weights are bf16 and include the tied lm_head."""
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2, pad_vocab_size_multiple=16)))
+    model.bfloat16().float()  # every weight a bf16 value
+    config = dict(d_model=16, d_intermediate=0, n_layer=2, vocab_size=29,
+                  ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8, ngroups=2, is_mimo=True, mimo_rank=2,
+                               chunk_size=4),
+                  attn_layer_idx=[], attn_cfg={}, rms_norm=True, residual_in_fp32=True, fused_add_norm=True,
+                  pad_vocab_size_multiple=16, tie_embeddings=True)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    assert loaded.lm_head.weight.shape == (32, 16) and loaded.lm_head.weight is loaded.backbone.embedding.weight
+    ids = torch.randint(0, 29, (2, 9))
+    assert torch.equal(loaded(ids), model(ids))
+
+
+def test_a_float64_checkpoint_loads_in_float64_without_rounding(tmp_path):
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2)).double())  # digits beyond fp32
+    write_official_checkpoint(tmp_path, model)
+    loaded = Mamba3LM.from_pretrained(str(tmp_path), dtype=torch.float64)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert b.dtype == torch.float64 and torch.equal(a, b), name
+
+
 def test_safetensors_without_the_tied_head_loads(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     torch.manual_seed(0)
@@ -695,6 +815,91 @@ def test_bad_checkpoints_are_refused_with_clear_errors(tmp_path, change, message
         Mamba3LM.from_pretrained(str(tmp_path))
 
 
+# The official Mamba3 constructor's arguments and defaults, copied by hand from
+# mamba_ssm/modules/mamba3.py at official main (e9594ce), and MambaConfig's (models/config_mamba.py)
+# and MixerModel's (norm_epsilon) LM fields: the contract the config follows.
+OFFICIAL_MAMBA3_ARGUMENTS = dict(d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=0.001,
+                                 dt_max=0.1, dt_init_floor=1e-4, A_floor=1e-4, is_outproj_norm=False, is_mimo=False,
+                                 mimo_rank=4, fuse_pregate_headwise_norm=True, chunk_size=64, dropout=0.0,
+                                 layer_idx=None, n_layer=None, device=None, dtype=None)
+OFFICIAL_KERNEL_ONLY = {"fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer", "device", "dtype"}
+OFFICIAL_LM_DEFAULTS = dict(residual_in_fp32=True, pad_vocab_size_multiple=8, tie_embeddings=True, norm_epsilon=1e-5)
+
+
+def test_mamba3_config_defaults_are_the_official_modules():
+    cfg = Mamba3Config(d_model=64, n_layer=1, vocab_size=10)
+    for name, value in OFFICIAL_MAMBA3_ARGUMENTS.items():
+        if name not in OFFICIAL_KERNEL_ONLY:
+            assert getattr(cfg, name) == value, name
+    for name, value in OFFICIAL_LM_DEFAULTS.items():
+        assert getattr(cfg, name) == value, name
+    assert cfg.A_activation == "heavy_tail"  # official main's A
+    assert m3._OFFICIAL_IGNORED == OFFICIAL_KERNEL_ONLY
+    assert m3._OFFICIAL_SSM_FIELDS == set(OFFICIAL_MAMBA3_ARGUMENTS) - OFFICIAL_KERNEL_ONLY
+
+
+def test_every_official_ssm_cfg_field_reaches_the_config(tmp_path):
+    """Each official field off its default in ssm_cfg, with the kernel-only arguments (accepted,
+    ignored) and this file's A_activation: the loaded config holds every value."""
+    fields = dict(d_state=8, expand=4, headdim=8, ngroups=2, rope_fraction=1.0, dt_min=0.002, dt_max=0.05,
+                  dt_init_floor=2e-4, A_floor=0.03, is_outproj_norm=True, is_mimo=True, mimo_rank=2, chunk_size=8,
+                  A_activation="softplus")
+    assert all(fields[k] != v for k, v in OFFICIAL_MAMBA3_ARGUMENTS.items() if k in fields)
+    assert set(fields) - {"A_activation"} == set(OFFICIAL_MAMBA3_ARGUMENTS) - OFFICIAL_KERNEL_ONLY
+    kernel_only = dict(fuse_pregate_headwise_norm=False, dropout=0.1, layer_idx=5, n_layer=9, device="cuda:0",
+                       dtype="bfloat16")
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(**fields)))
+    write_official_checkpoint(tmp_path, model, ssm_cfg=dict(layer="Mamba3", **fields, **kernel_only))
+    loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    for name, value in fields.items():
+        assert getattr(loaded.cfg, name) == value, name
+    assert loaded.cfg.n_layer == 2 and loaded.lm_head.weight.dtype == torch.float32  # kernel-only: ignored
+    ids = torch.randint(0, 29, (2, 9))
+    assert torch.equal(loaded(ids), model(ids))
+
+
+def test_A_variant_losses_are_each_variants_cross_entropy(tmp_path):
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2))).double()
+    ids = torch.randint(0, 29, (3, 17))
+    losses = m3.A_variant_losses(model, ids)
+    assert model.cfg.A_activation == "heavy_tail"  # left as it was
+    for variant in m3.A_ACTIVATIONS:
+        other = Mamba3LM(small_config(is_mimo=True, mimo_rank=2, A_activation=variant)).double()
+        other.load_state_dict(model.state_dict())
+        log_p = torch.log_softmax(other(ids)[:, :-1], dim=-1)  # (3, 16, 32)
+        expected = -log_p.gather(-1, ids[:, 1:, None]).mean().item()
+        assert abs(losses[variant] - expected) < 1e-9 * expected, variant
+    write_official_checkpoint(tmp_path, model.float())
+    from_folder = m3.A_variant_losses(str(tmp_path), ids)
+    assert all(abs(from_folder[v] - losses[v]) < 1e-4 for v in m3.A_ACTIVATIONS)
+
+
+@pytest.mark.parametrize("trained_with", m3.A_ACTIVATIONS)
+def test_A_variant_losses_name_the_variant_a_model_was_built_with(trained_with):
+    """Text sampled from a model is likelier under the model's own A (the expected gap is the mean
+    KL divergence between the two predictions, 0.04 to 0.07 nats on these random weights)."""
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(A_activation=trained_with))).double()
+    text = model.generate(torch.randint(0, 29, (8, 1)), 100, generator=torch.Generator().manual_seed(1))
+    losses = m3.A_variant_losses(model, text)
+    other = next(v for v in m3.A_ACTIVATIONS if v != trained_with)
+    assert losses[trained_with] < losses[other] - 0.02, losses
+
+
+@pytest.mark.parametrize("ids,message", [
+    (torch.ones(2, 5), "integer tensor of shape"), (torch.ones(5, dtype=torch.long), "integer tensor of shape"),
+    (torch.ones(2, 1, dtype=torch.long), "L >= 2"), (torch.ones(0, 4, dtype=torch.long), "b >= 1"),
+    (torch.full((1, 4), 29), r"in \[0, vocab_size = 29\)"),
+])
+def test_A_variant_losses_refuse_what_is_not_token_ids(ids, message):
+    with pytest.raises(ValueError, match=message):
+        m3.A_variant_losses(Mamba3LM(small_config()), ids)
+    with pytest.raises(ValueError, match="load_kwargs apply to a path only"):
+        m3.A_variant_losses(Mamba3LM(small_config()), torch.ones(1, 3, dtype=torch.long), dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("ssm_cfg,message", [
     (dict(layer="Mamba2", d_state=8), "Mamba3LM loads Mamba3 only"),
     (dict(layer="Mamba3", d_state=8, d_conv=4), r"unsupported ssm_cfg fields in config.json: \['d_conv'\]"),
@@ -703,4 +908,14 @@ def test_bad_checkpoints_are_refused_with_clear_errors(tmp_path, change, message
 def test_configs_that_are_not_this_model_are_refused(tmp_path, ssm_cfg, message):
     write_official_checkpoint(tmp_path, Mamba3LM(small_config()), ssm_cfg=dict(ssm_cfg, headdim=8, ngroups=2))
     with pytest.raises(ValueError, match=message):
+        Mamba3LM.from_pretrained(str(tmp_path))
+
+
+def test_an_mlp_after_every_mixer_is_refused_by_name(tmp_path):
+    write_official_checkpoint(tmp_path, Mamba3LM(small_config()))
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(config, d_intermediate=64), f)
+    with pytest.raises(ValueError, match=r"d_intermediate = 64 \(the official GatedMLP after every mixer"):
         Mamba3LM.from_pretrained(str(tmp_path))
