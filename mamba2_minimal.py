@@ -289,6 +289,10 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     Returns:
         y: (b, L, H, P) in x's dtype; with return_last_state also the final state (b, H, P, N),
         computed in fp32 (fp64 for fp64 inputs), a tensor of its own (not a view of a larger one)
+
+    A NaN or an infinity at position t makes every output of its chunk NaN, earlier positions
+    included: the masked-out (zero) weights of (M ∘ C·Bᵀ) still multiply it, and 0·inf is NaN.
+    ssd_sequential, a loop, stays causal. Other rows of the batch are not touched.
     """
     _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size)
     if scan_backend not in pscan.BACKENDS:

@@ -303,6 +303,9 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
                       from a zero state, α = 0 there (so β = 0 too), and the angles start again at 0
     Returns:
         y (b, L, R, H, P) in fp32 at least (fp64 for fp64 inputs); with return_state also the state
+
+    As in ssd (mamba2_minimal.py), a NaN or an infinity at position t makes its whole chunk NaN,
+    earlier positions included (the zero weights of W multiply it); mamba3_sequential stays causal.
     """
     _check_mamba3_inputs(q, k, v, dt, adt, lam, theta, q_bias, k_bias, D, mimo_x, state, pairing, chunk_size)
     if scan_backend not in pscan.BACKENDS:

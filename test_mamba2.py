@@ -760,3 +760,17 @@ def test_transformers_own_config_keeps_its_time_step_limit():
     hf = transformers.Mamba2Config(num_heads=4, head_dim=16, hidden_size=32, state_size=8, num_hidden_layers=2,
                                    vocab_size=50, n_groups=2, time_step_limit=(0.01, 0.2))
     assert m2.config_from_dict(json.loads(hf.to_json_string())).dt_limit == (0.01, 0.2)
+
+
+def test_a_non_finite_input_poisons_its_chunk_and_later_ones_but_no_earlier_chunk():
+    # ssd's docstring: an inf at t reaches every output of t's chunk (0·inf in the masked product),
+    # and later outputs through the state; earlier chunks stay as they were, and the loop stays causal
+    x, dt, A, B, C, D, _ = ssd_inputs(b=2, L=13, seed=4)
+    poisoned = x.clone()
+    poisoned[0, 7, 1, 0] = float("inf")  # row 0, position 7: chunk 1 of [0-4], [5-9], [10-12]
+    y = m2.ssd(poisoned, dt, A, B, C, 5, D)
+    clean = m2.ssd(x, dt, A, B, C, 5, D)
+    assert torch.equal(y[0, :5], clean[0, :5]) and torch.equal(y[1], clean[1])
+    assert y[0, 5:7].isnan().any()  # before t, inside its chunk: the documented poisoning
+    loop = m2.ssd_sequential(poisoned, dt, A, B, C, D)
+    assert torch.isfinite(loop[0, :7]).all() and not torch.isfinite(loop[0, 7]).all()

@@ -919,3 +919,18 @@ def test_an_mlp_after_every_mixer_is_refused_by_name(tmp_path):
         json.dump(dict(config, d_intermediate=64), f)
     with pytest.raises(ValueError, match=r"d_intermediate = 64 \(the official GatedMLP after every mixer"):
         Mamba3LM.from_pretrained(str(tmp_path))
+
+
+def test_a_non_finite_input_poisons_its_chunk_and_later_ones_but_no_earlier_chunk():
+    # mamba3_chunked's docstring, as ssd's: an inf at t reaches every output of its chunk, earlier
+    # chunks and other rows stay as they were, the loop stays causal
+    inputs = mamba3_inputs(b=2, L=13, seed=4)
+    poisoned = dict(inputs, v=inputs["v"].clone())
+    poisoned["v"][0, 7, 1, 0] = float("inf")  # row 0, position 7: chunk 1 of [0-4], [5-9], [10-12]
+    y = m3.mamba3_chunked(**poisoned, chunk_size=5)
+    clean = m3.mamba3_chunked(**inputs, chunk_size=5)
+    assert torch.equal(y[0, :5], clean[0, :5]) and torch.equal(y[1], clean[1])
+    assert y[0, 5:7].isnan().any()
+    loop, _ = m3.mamba3_sequential(**poisoned)
+    assert torch.isfinite(loop[0, :7]).all() and not torch.isfinite(loop[0, 7]).all()
+

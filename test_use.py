@@ -43,9 +43,10 @@ def mamba1_model(seed=0, scan_backend="sequential", recompute=True):
                                                scan_backend=scan_backend, chunk_size=CHUNK, recompute=recompute)))
 
 
-# Mamba-1: every eager backend (pscan.py's scans under the hand-written backward) and the fused
-# path, with its recomputing backward and with plain autograd through each chunk
-MAMBA1_BACKENDS = ("sequential", "pscan", "hillis_steele", "two_level", "associative", "fused")
+# Mamba-1: the read path (sections 2 and 3 under autograd), every eager backend (pscan.py's scans
+# under the hand-written backward) and the fused path, with its recomputing backward and with
+# plain autograd through each chunk
+MAMBA1_BACKENDS = ("reference", "sequential", "pscan", "hillis_steele", "two_level", "associative", "fused")
 MODELS = {
     **{f"mamba1_{backend}": (lambda seed=0, backend=backend: mamba1_model(seed, backend))
        for backend in MAMBA1_BACKENDS},
@@ -218,6 +219,23 @@ def test_a_packed_row_continues_from_a_cache_in_pieces(name):
             start += length
     assert max_difference(torch.cat(logits, dim=1), expected) < 1e-10
     assert max_difference(cache, last_alone) < 1e-10
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pieces_shorter_than_the_conv_keep_the_cache_inputs_of_their_document(name):
+    """Pieces of 2 and 1 tokens inside one document: after each, the conv buffer still holds inputs
+    that came from the cache, and they belong to the same document, so the next piece reads them."""
+    model = MODELS[name]()
+    ids, seq_idx = packed_row(DOC_LENGTHS)  # documents at 0, 1-7, 8-15, 16, 17-21, 22-31, 32-34
+    with torch.no_grad():
+        expected = model(ids, seq_idx=seq_idx)
+        logits, cache, start = [], None, 0
+        for length in (3, 2, 1, 3, 11, 15):  # every split falls inside a document
+            out, cache = model(ids[:, start:start + length], want_cache=True, cache=cache,
+                               seq_idx=seq_idx[:, start:start + length])
+            logits.append(out)
+            start += length
+    assert max_difference(torch.cat(logits, dim=1), expected) < 1e-10
 
 
 def loop_conv(x, weight, bias, seq_idx, buffer=None):
