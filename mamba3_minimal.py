@@ -54,7 +54,7 @@ scan across chunks and segsum (Mamba-2's segment sums).
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -419,6 +419,12 @@ class Mamba3Config:
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
+    # the official MambaLMHeadModel's block fields (mamba_minimal.py section 9): an MLP after each
+    # mixer, attention layers in place of some mixers, LayerNorm instead of RMSNorm
+    d_intermediate: int = 0
+    attn_layer_idx: list = field(default_factory=list)
+    attn_cfg: dict = field(default_factory=dict)
+    rms_norm: bool = True
     scan_backend: str = "auto"  # how to run it: pscan.scan's backend across chunks
 
     def __post_init__(self):
@@ -447,6 +453,7 @@ class Mamba3Config:
             raise ValueError(f"A_floor must be positive (A <= -A_floor keeps every step decaying), got {self.A_floor!r}")
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba3Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
+        mm._check_hybrid_fields(self)
 
     @property
     def d_inner(self):
@@ -679,17 +686,16 @@ class Mamba3LM(mm.MambaLM):
 # ------------------------------------------------------------------------------------------------
 # 6. Loading checkpoints
 # ------------------------------------------------------------------------------------------------
-# The official layout: config.json with d_model, n_layer, vocab_size, d_intermediate = 0,
+# The official layout: config.json with d_model, n_layer, vocab_size, d_intermediate,
 # ssm_cfg = {"layer": "Mamba3", d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
-# rms_norm, residual_in_fp32, pad_vocab_size_multiple, tie_embeddings; the weights in
-# pytorch_model.bin (or model.safetensors) under our names. The tests write their own checkpoints.
+# attn_layer_idx, attn_cfg (the hybrid fields: mamba_minimal.py section 9), rms_norm,
+# residual_in_fp32, pad_vocab_size_multiple, tie_embeddings; the weights in pytorch_model.bin (or
+# model.safetensors) under our names. The tests write their own checkpoints.
 
 _OFFICIAL_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
                         "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
 # official Mamba3 arguments that only change how it runs
 _OFFICIAL_IGNORED = {"dropout", "layer_idx", "n_layer"}
-_OFFICIAL_TOP_IGNORED = {"fused_add_norm", "initializer_cfg", "ssm_cfg", "d_intermediate", "rms_norm",
-                         "attn_layer_idx", "attn_cfg"}
 
 
 def config_from_dict(d, **overrides):
@@ -703,20 +709,13 @@ def config_from_dict(d, **overrides):
     if layer != "Mamba3":
         raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
                          f"(Mamba1: mamba_minimal.MambaLM, Mamba2: mamba2_minimal.Mamba2LM)")
-    if d.get("d_intermediate", 0):
-        raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) is not supported")
-    if d.get("attn_layer_idx"):
-        raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
-    if d.get("rms_norm") is False:
-        raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
     unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED
     if unknown:
         raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
     missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in d]
     if missing:
         raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
-    ours = {f.name for f in fields(Mamba3Config)}
-    kwargs = {k: v for k, v in d.items() if k in ours}
+    kwargs = mm.official_lm_fields(d, {f.name for f in fields(Mamba3Config)})  # with the hybrid fields
     kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS})
     kwargs.update(overrides)
     return Mamba3Config(**kwargs)
