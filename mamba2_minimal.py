@@ -39,7 +39,7 @@ wrapper, sampling and checkpoint helpers, and pscan.scan for the recurrence acro
 """
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -384,6 +384,12 @@ class Mamba2Config:
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
+    # the official MambaLMHeadModel's block fields (mamba_minimal.py section 9): an MLP after each
+    # mixer, attention layers in place of some mixers, LayerNorm instead of RMSNorm
+    d_intermediate: int = 0
+    attn_layer_idx: list = field(default_factory=list)
+    attn_cfg: dict = field(default_factory=dict)
+    rms_norm: bool = True
     # how to run it (not part of a checkpoint's identity): pscan.scan's backend for the recurrence
     # across chunks, and whether the mixer's forward goes through torch.compile (see the mixer)
     scan_backend: str = "auto"
@@ -422,6 +428,7 @@ class Mamba2Config:
                              f"got {self.scan_backend!r}")
         if not isinstance(self.compile_mixer, bool):
             raise ValueError(f"Mamba2Config.compile_mixer must be True or False, got {self.compile_mixer!r}")
+        mm._check_hybrid_fields(self)
 
     @property
     def d_inner(self):
@@ -643,6 +650,7 @@ class Mamba2LM(mm.MambaLM):
 # ------------------------------------------------------------------------------------------------
 # Official (state-spaces/mamba2-130m ...): config.json with d_model, d_intermediate, n_layer,
 # vocab_size, ssm_cfg = {"layer": "Mamba2", d_state, headdim, ngroups, chunk_size ...},
+# attn_layer_idx and attn_cfg (the hybrid mamba2attn-2.7b: mamba_minimal.py section 9),
 # pad_vocab_size_multiple (16 for those models), tie_embeddings; pytorch_model.bin under our names.
 # transformers (Mamba2ForCausalLM): config.json with hidden_size, num_hidden_layers, num_heads,
 # head_dim, state_size, n_groups, ...; the same names except backbone.embeddings.*; often
@@ -698,21 +706,13 @@ def config_from_dict(d, **overrides):
         if layer != "Mamba2":
             raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
                              f"only (for Mamba-1 use mamba_minimal.MambaLM.from_pretrained)")
-        if d.get("d_intermediate", 0):
-            raise ValueError(f"d_intermediate = {d['d_intermediate']} (an MLP after every mixer) "
-                             f"is not supported")
-        if d.get("attn_layer_idx"):
-            raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
-        if d.get("rms_norm") is False:
-            raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
         for name, value in _OFFICIAL_FIXED.items():
             if ssm_cfg.pop(name, value) != value:
                 raise ValueError(f"ssm_cfg.{name} = {not value} is not supported (only {value})")
         unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED
         if unknown:
             raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
-        ours = {f.name for f in fields(Mamba2Config)}
-        kwargs = {k: v for k, v in d.items() if k in ours}
+        kwargs = mm.official_lm_fields(d, {f.name for f in fields(Mamba2Config)})  # with the hybrid fields
         kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS})
     missing = [k for k in required if k not in d]
     if missing:

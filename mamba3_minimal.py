@@ -54,7 +54,7 @@ scan across chunks and segsum (Mamba-2's segment sums).
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -465,6 +465,12 @@ class Mamba3Config:
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
+    # the official MambaLMHeadModel's block fields (mamba_minimal.py section 9): an MLP after each
+    # mixer, attention layers in place of some mixers, LayerNorm instead of RMSNorm
+    d_intermediate: int = 0
+    attn_layer_idx: list = field(default_factory=list)
+    attn_cfg: dict = field(default_factory=dict)
+    rms_norm: bool = True
     scan_backend: str = "auto"  # how to run it: pscan.scan's backend across chunks
 
     def __post_init__(self):
@@ -496,6 +502,7 @@ class Mamba3Config:
                              f"main; \"softplus\": the March 2026 release), got {self.A_activation!r}")
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba3Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
+        mm._check_hybrid_fields(self)
 
     @property
     def d_inner(self):
@@ -734,10 +741,11 @@ class Mamba3LM(mm.MambaLM):
 # The official layout (official MambaLMHeadModel.save_pretrained, mixer_seq_simple.py): config.json
 # holds MambaConfig's fields, d_model, d_intermediate, n_layer, vocab_size, ssm_cfg = {"layer":
 # "Mamba3", and any Mamba3 argument: d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
-# attn_layer_idx, attn_cfg, rms_norm, residual_in_fp32, fused_add_norm, pad_vocab_size_multiple,
-# tie_embeddings; the weights in pytorch_model.bin (or model.safetensors) under our names. The
-# published Mamba-3 checkpoints (state-spaces/mamba3-*) come in this layout; which A they need is
-# A_variant_losses' question (below). The tests write their own checkpoints.
+# attn_layer_idx, attn_cfg (the hybrid fields: mamba_minimal.py section 9), rms_norm,
+# residual_in_fp32, fused_add_norm, pad_vocab_size_multiple, tie_embeddings; the weights in
+# pytorch_model.bin (or model.safetensors) under our names. The published Mamba-3 checkpoints
+# (state-spaces/mamba3-*) come in this layout, with a GatedMLP after every mixer; which A they
+# need is A_variant_losses' question (below). The tests write their own checkpoints.
 
 _OFFICIAL_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
                         "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
@@ -761,21 +769,13 @@ def config_from_dict(d, **overrides):
     if layer != "Mamba3":
         raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
                          f"(Mamba1: mamba_minimal.MambaLM, Mamba2: mamba2_minimal.Mamba2LM)")
-    if d.get("d_intermediate", 0):
-        raise ValueError(f"d_intermediate = {d['d_intermediate']} (the official GatedMLP after every mixer, weights "
-                         f"norm2 and mlp.fc1/fc2) is not supported; Mamba3LM builds pure Mamba-3 blocks")
-    if d.get("attn_layer_idx"):
-        raise ValueError("hybrid attention layers (attn_layer_idx) are not supported")
-    if d.get("rms_norm") is False:
-        raise ValueError("rms_norm: false (LayerNorm blocks) is not supported")
     unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED - _OUR_SSM_FIELDS
     if unknown:
         raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
     missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in d]
     if missing:
         raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
-    ours = {f.name for f in fields(Mamba3Config)}
-    kwargs = {k: v for k, v in d.items() if k in ours}
+    kwargs = mm.official_lm_fields(d, {f.name for f in fields(Mamba3Config)})  # with the hybrid fields
     kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS | _OUR_SSM_FIELDS})
     kwargs.update(overrides)
     return Mamba3Config(**kwargs)

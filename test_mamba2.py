@@ -661,8 +661,8 @@ def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_
 @pytest.mark.parametrize("change,message", [
     (lambda c: c["ssm_cfg"].update(layer="Mamba1"), "Mamba2LM loads Mamba-2 only.*MambaLM"),
     (lambda c: c["ssm_cfg"].pop("layer"), "Mamba2LM loads Mamba-2 only"),
-    (lambda c: c.update(d_intermediate=64), "d_intermediate = 64"),
-    (lambda c: c.update(attn_layer_idx=[1]), "attn_layer_idx"),
+    (lambda c: c.update(d_intermediate=64), r"missing \['backbone.layers.0.mlp.fc1.weight'"),  # no MLP weights
+    (lambda c: c.update(attn_layer_idx=[1]), "attn_cfg.num_heads must be a positive integer"),
     (lambda c: c["ssm_cfg"].update(D_has_hdim=True), "D_has_hdim = True is not supported"),
     (lambda c: c["ssm_cfg"].update(norm_before_gate=True), "norm_before_gate"),
     (lambda c: c["ssm_cfg"].update(rope=True), r"unsupported ssm_cfg fields.*rope"),

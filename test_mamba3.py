@@ -727,7 +727,8 @@ def test_batched_greedy_generate_equals_each_row_alone():
 def write_official_checkpoint(folder, model, ssm_cfg=None, **top):
     """A folder in the official MambaLMHeadModel layout, written by hand from the config."""
     cfg = model.cfg
-    d = dict(d_model=cfg.d_model, d_intermediate=0, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
+    top = dict(dict(d_intermediate=0), **top)
+    d = dict(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size,
              ssm_cfg=ssm_cfg or dict(layer="Mamba3", d_state=cfg.d_state, headdim=cfg.headdim, ngroups=cfg.ngroups,
                                      rope_fraction=cfg.rope_fraction, is_mimo=cfg.is_mimo, mimo_rank=cfg.mimo_rank,
                                      is_outproj_norm=cfg.is_outproj_norm, chunk_size=cfg.chunk_size),
@@ -911,13 +912,18 @@ def test_configs_that_are_not_this_model_are_refused(tmp_path, ssm_cfg, message)
         Mamba3LM.from_pretrained(str(tmp_path))
 
 
-def test_an_mlp_after_every_mixer_is_refused_by_name(tmp_path):
-    write_official_checkpoint(tmp_path, Mamba3LM(small_config()))
-    with open(tmp_path / "config.json") as f:
-        config = json.load(f)
-    with open(tmp_path / "config.json", "w") as f:
-        json.dump(dict(config, d_intermediate=64), f)
-    with pytest.raises(ValueError, match=r"d_intermediate = 64 \(the official GatedMLP after every mixer"):
+def test_the_published_layout_with_an_mlp_after_every_mixer_loads_strictly(tmp_path):
+    # the state-spaces/mamba3-* checkpoints put the official GatedMLP after every mixer
+    # (d_intermediate > 0: norm2, mlp.fc1, mlp.fc2); a config that asks for it with weights that lack
+    # it fails the strict key check by name
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config(d_intermediate=48)))
+    write_official_checkpoint(tmp_path, model, d_intermediate=48)
+    loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, 29, (2, 9))
+    assert loaded.cfg.d_intermediate == 48 and torch.equal(loaded(ids), model(ids))
+    write_official_checkpoint(tmp_path, Mamba3LM(small_config()), d_intermediate=48)
+    with pytest.raises(ValueError, match=r"missing \['backbone.layers.0.mlp.fc1.weight'"):
         Mamba3LM.from_pretrained(str(tmp_path))
 
 

@@ -706,7 +706,7 @@ def test_transformers_layout_keeps_its_vocabulary_unpadded(tmp_path):
     assert MambaLM.from_pretrained(str(tmp_path / "official")).backbone.embedding.weight.shape == (104, 32)
 
 
-def test_config_reads_dt_init_use_fast_path_and_refuses_d_intermediate():
+def test_config_reads_dt_init_use_fast_path_and_d_intermediate():
     official = {"d_model": 32, "n_layer": 1, "vocab_size": 21,
                 "ssm_cfg": {"d_state": 8, "dt_init": "constant", "use_fast_path": False}}
     cfg = mm.config_from_dict(official)
@@ -715,8 +715,9 @@ def test_config_reads_dt_init_use_fast_path_and_refuses_d_intermediate():
     weight = MambaLM(cfg).backbone.layers[0].mixer.dt_proj.weight  # the official "constant" init
     assert torch.equal(weight, torch.full_like(weight, cfg.dt_rank ** -0.5))
     assert mm.config_from_dict(dict(official, ssm_cfg={"dt_init": "random"})).dt_init == "random"
-    with pytest.raises(ValueError, match="d_intermediate"):
-        mm.config_from_dict(dict(official, d_intermediate=128))
+    assert mm.config_from_dict(dict(official, d_intermediate=128)).d_intermediate == 128  # test_hybrid.py
+    with pytest.raises(ValueError, match="d_intermediate must be an integer >= 0"):
+        mm.config_from_dict(dict(official, d_intermediate=-128))
     assert mm.config_from_dict(dict(official, d_intermediate=0)).d_model == 32
     with pytest.raises(ValueError, match="dt_init must be 'random' or 'constant'"):
         MambaConfig(dt_init="normal")
