@@ -511,6 +511,10 @@ class MambaLM(nn.Module):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
         cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8)."""
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
+        new_document = use.pop("new_document_at_0", None)  # (b,): see seq_idx in section 8
+        if new_document is not None:  # a row whose first token starts a document starts from nothing
+            cache = [type(c)(t.masked_fill(new_document.view(-1, *(1,) * (t.dim() - 1)), 0) for t in c)
+                     for c in cache]
         hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)
         new_cache = []
         for i, layer in enumerate(self.backbone.layers):
@@ -1347,7 +1351,12 @@ def load_weights(model, folder, device=None, dtype=None):
 #                   so any split of a sequence into pieces gives the logits and final cache of one pass
 #   seq_idx         (b, L) integers, non-decreasing along a row: packed sequences, each starting from
 #                   a zero state where the index changes (reset: dA = 0 at its first token); the
-#                   official varlen boundaries convert with seq_idx_from_cu_seqlens
+#                   official varlen boundaries convert with seq_idx_from_cu_seqlens. With a cache,
+#                   the first document of the call continues it; or seq_idx is one column longer,
+#                   (b, L + 1), its first column the document of the cache's last token, so that a
+#                   boundary right at the split is seen: a row whose first token starts a new
+#                   document then starts from an empty cache. A packed row s cut at k continues with
+#                   model(ids[:, k:], cache=c, seq_idx=s[:, k - 1:]).
 #   attention_mask  (b, L) of 0/1, left padding: the 0s are identity steps for the state (Δ = 0,
 #                   so dA = 1 and dBx = 0) and zeros for the conv, so each row computes what it
 #                   computes alone (the logits at padded positions mean nothing)
@@ -1811,15 +1820,21 @@ def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=Tru
     if cache is not None:
         _check_cache(model, cache, b)
     if seq_idx is not None:
-        if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) != (b, L) \
+        shapes = [(b, L)] + ([(b, L + 1)] if cache is not None else [])  # with a cache: the cache's document first
+        if not isinstance(seq_idx, torch.Tensor) or tuple(seq_idx.shape) not in shapes \
                 or seq_idx.dtype not in (torch.int64, torch.int32) or seq_idx.device != input_ids.device:
             got = (f"{tuple(seq_idx.shape)} {seq_idx.dtype} on {seq_idx.device}" if isinstance(seq_idx, torch.Tensor)
                    else type(seq_idx).__name__)
-            raise ValueError(f"seq_idx must be an integer tensor of shape ({b}, {L}) like input_ids, on "
-                             f"{input_ids.device}, got {got}")
+            with_cache = (f", or ({b}, {L + 1}) with the document of the cache's last token first"
+                          if cache is not None else "")
+            raise ValueError(f"seq_idx must be an integer tensor of shape ({b}, {L}) like input_ids{with_cache}, "
+                             f"on {input_ids.device}, got {got}")
         if read_values and (seq_idx.diff(dim=1) < 0).any():
             raise ValueError("seq_idx must be non-decreasing along each row (packed sequences, one after "
                              "another)")
+        if seq_idx.shape[1] == L + 1:
+            use["new_document_at_0"] = seq_idx[:, 1] != seq_idx[:, 0]  # (b,)
+            seq_idx = seq_idx[:, 1:]
         use["seq_idx"] = seq_idx.long()
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, L) \

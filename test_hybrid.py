@@ -466,6 +466,16 @@ def test_a_packed_row_continues_from_a_cache_in_pieces_and_ends_with_the_last_do
 
 
 @pytest.mark.parametrize("generation,layout_name", CASES)
+def test_a_split_at_any_position_continues_or_restarts_as_the_documents_say(tmp_path, generation, layout_name):
+    """fuzz N2 for the attention layers too: with seq_idx[:, k - 1:] a document that starts at the
+    split sees none of the cached keys, and its positions start at 0."""
+    from test_use import split_at_every_position_difference
+    model, *_ = hybrid(tmp_path, generation, layout_name)
+    ids, seq_idx = packed_row([3, 1, 4, 2])
+    assert split_at_every_position_difference(model, ids, seq_idx) < 1e-10
+
+
+@pytest.mark.parametrize("generation,layout_name", CASES)
 def test_each_row_of_a_left_padded_batch_equals_the_row_alone(tmp_path, generation, layout_name):
     """Padded keys are never seen, and a row's positions count from its first real token: logits,
     cache, the steps after it and greedy generation equal the row run alone."""

@@ -238,6 +238,50 @@ def test_pieces_shorter_than_the_conv_keep_the_cache_inputs_of_their_document(na
     assert max_difference(torch.cat(logits, dim=1), expected) < 1e-10
 
 
+def split_at_every_position_difference(model, ids, seq_idx):
+    """Cut a packed row at every k, continue from the first piece's cache with seq_idx[:, k - 1:]
+    (the document of the cache's last token first): the largest difference from one pass, over all
+    k, boundaries included."""
+    with torch.no_grad():
+        expected = model(ids, seq_idx=seq_idx)
+        worst = 0.0
+        for k in range(1, ids.shape[1]):
+            first, cache = model(ids[:, :k], want_cache=True, seq_idx=seq_idx[:, :k])
+            second = model(ids[:, k:], cache=cache, seq_idx=seq_idx[:, k - 1:])
+            worst = max(worst, max_difference(torch.cat([first, second], dim=1), expected))
+    return worst
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_split_at_any_position_continues_or_restarts_as_the_documents_say(name):
+    """fuzz N2: a new document that starts exactly at the split must not continue the cache."""
+    model = MODELS[name]()
+    ids, seq_idx = packed_row([3, 1, 4, 2])  # boundaries at 3, 4 and 8, among the splits 1 .. 9
+    seq_idx = seq_idx.clone()
+    seq_idx[1] = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 2])  # the rows differ: one may restart, one not
+    assert split_at_every_position_difference(model, ids, seq_idx) < 1e-10
+
+
+def test_without_the_caches_column_the_first_document_continues_the_cache():
+    # seq_idx as long as the ids: the first document of the call continues the cache, whatever its
+    # index; the longer seq_idx says where the cache's document ends
+    model = MODELS["mamba1_sequential"]()
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with torch.no_grad():
+        whole = model(ids)
+        _, cache = model.prefill(ids[:, :5])
+        continued = model(ids[:, 5:], cache=cache, seq_idx=torch.tensor([[7, 7, 7]]))
+        restarted = model(ids[:, 5:], cache=cache, seq_idx=torch.tensor([[6, 7, 7, 7]]))
+        alone = model(ids[:, 5:])
+    assert max_difference(continued, whole[:, 5:]) < 1e-12
+    assert max_difference(restarted, alone) < 1e-12
+    with pytest.raises(ValueError, match=r"seq_idx must be an integer tensor of shape \(1, 3\) like input_ids, "
+                                         r"or \(1, 4\) with the document of the cache's last token first"):
+        model(ids[:, 5:], cache=cache, seq_idx=torch.tensor([[6, 7, 7, 7, 7]]))
+    with pytest.raises(ValueError, match=r"shape \(1, 3\) like input_ids, on"):  # no cache: no longer seq_idx
+        model(ids[:, 5:], seq_idx=torch.tensor([[6, 7, 7, 7]]))
+
+
 def loop_conv(x, weight, bias, seq_idx, buffer=None):
     """The oracle: out_t = bias + Σ_k w_k·x_{t-d+1+k} over the inputs of t's own sequence only,
     position by position; before the first token, the buffer's inputs (zeros without one)."""
