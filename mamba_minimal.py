@@ -1869,7 +1869,7 @@ def _check_cache(model, cache, batch, written_in_place=False):
         what = f"{entries[0]}s" if len(set(entries)) == 1 else "entries (" + "; ".join(dict.fromkeys(entries)) + ")"
         raise ValueError(f"cache must be a list of {n_layer} {what}, one per layer, as prefill returns it for "
                          f"this model; got {got}")
-    owners = {}  # data_ptr -> the state that holds it
+    owners = []  # (storage, first byte, end byte, the state that holds them)
     for i, (layer, layer_cache, spec) in enumerate(zip(model.backbone.layers, cache, specs)):
         grows = [name for name, shape, *_ in spec if None in shape]
         if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != len(spec):
@@ -1897,15 +1897,25 @@ def _check_cache(model, cache, batch, written_in_place=False):
             if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
                 raise ValueError(f"cache[{i}] {name} repeats one row in memory (an expand()ed tensor); "
                                  f"give it memory of its own, e.g. with .clone()")
-            if t.data_ptr() in owners:
-                raise ValueError(f"cache[{i}] {name} shares its memory with {owners[t.data_ptr()]}; each "
-                                 f"layer needs a state of its own ([pair] * n_layer repeats one pair)")
-            owners[t.data_ptr()] = f"cache[{i}] {name}"
+            storage, first, end = _memory_span(t)
+            for other_storage, other_first, other_end, owner in owners:
+                if storage == other_storage and first < other_end and other_first < end:
+                    raise ValueError(f"cache[{i}] {name} shares its memory with {owner}; each state needs "
+                                     f"memory of its own ([pair] * n_layer repeats one pair; views of one "
+                                     f"buffer overlap): give it its own, e.g. with .clone()")
+            owners.append((storage, first, end, f"cache[{i}] {name}"))
         if len(set(tokens.values())) > 1:
             raise ValueError(f"cache[{i}] {', '.join(tokens)} must hold the same number of tokens, got "
                              f"{', '.join(str(n) for n in tokens.values())}")
         if 0 in tokens.values():
             raise ValueError(f"cache[{i}] {', '.join(tokens)} must hold at least one token")
+
+
+def _memory_span(t):
+    """(storage address, first byte, end byte) of the memory a tensor's elements can reach."""
+    extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) + 1
+    first = t.storage_offset() * t.element_size()
+    return t.untyped_storage().data_ptr(), first, first + extent * t.element_size()
 
 
 def _cache_entry_name(spec):

@@ -632,6 +632,16 @@ def test_final_state_and_cache_own_exactly_their_bytes(backend):
             assert _owns_exactly_its_bytes(conv_state) and _owns_exactly_its_bytes(ssm_state), backend
 
 
+def overlapping_states(cache):
+    """Both layers' SSM states carved out of one buffer, one element apart: different addresses,
+    shared memory (fuzz N9), so a step would write one layer's state into the other's."""
+    shape = cache[0][1].shape
+    buffer = torch.zeros(2 * cache[0][1].numel())
+    first, second = buffer[:-1].view(-1)[:shape.numel()], buffer[1:].view(-1)[:shape.numel()]
+    cache[0] = (cache[0][0], first.view(shape).copy_(cache[0][1]))
+    cache[1] = (cache[1][0], second.view(shape))
+
+
 @pytest.mark.parametrize("spoil, message", [
     (lambda c: c.pop(), r"list of 2 \(conv_state, ssm_state\) pairs"),
     (lambda c: c.__setitem__(1, c[1][:1]), r"cache\[1\] must be a \(conv_state, ssm_state\) pair"),
@@ -641,7 +651,8 @@ def test_final_state_and_cache_own_exactly_their_bytes(backend):
     (lambda c: c.__setitem__(1, (c[1][0].half(), c[1][1])), r"conv_state must be torch.float32"),
     (lambda c: c.__setitem__(1, c[0]), r"cache\[1\] conv_state shares its memory with cache\[0\] conv_state"),
     (lambda c: c.__setitem__(1, (c[1][0], c[1][1][:1].expand(2, -1, -1))), r"cache\[1\] ssm_state repeats one row"),
-], ids=["layers", "pair", "ssm-batch", "conv-width", "ssm-dtype", "conv-dtype", "shared", "expanded"])
+    (overlapping_states, r"cache\[1\] ssm_state shares its memory with cache\[0\] ssm_state"),
+], ids=["layers", "pair", "ssm-batch", "conv-width", "ssm-dtype", "conv-dtype", "shared", "expanded", "overlap"])
 def test_step_checks_its_cache_before_touching_it(spoil, message):
     model = tiny_model().eval()
     ids = torch.randint(0, 21, (2, 6), generator=torch.Generator().manual_seed(0))
