@@ -718,7 +718,7 @@ def config_from_dict(d, **overrides):
     if missing:
         raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
     for name in ("dt_limit", "A_init_range"):
-        if name in kwargs:
+        if isinstance(kwargs.get(name), (list, tuple)):  # anything else is Mamba2Config's to refuse by name
             kwargs[name] = tuple(_number(v) for v in kwargs[name])
     kwargs.update(overrides)
     return Mamba2Config(**kwargs)

@@ -774,3 +774,13 @@ def test_a_non_finite_input_poisons_its_chunk_and_later_ones_but_no_earlier_chun
     assert y[0, 5:7].isnan().any()  # before t, inside its chunk: the documented poisoning
     loop = m2.ssd_sequential(poisoned, dt, A, B, C, D)
     assert torch.isfinite(loop[0, :7]).all() and not torch.isfinite(loop[0, 7]).all()
+
+
+@pytest.mark.parametrize("field, value", [("dt_limit", None), ("dt_limit", 5), ("A_init_range", 5),
+                                          ("A_init_range", "1, 16")])
+def test_a_config_json_pair_that_is_not_a_pair_is_refused_by_name(field, value):
+    # fuzz N7: these reached tuple() and raised TypeError ('NoneType' object is not iterable)
+    d = {"d_model": 16, "n_layer": 1, "vocab_size": 11, "ssm_cfg": {"layer": "Mamba2", "headdim": 8, field: value}}
+    with pytest.raises(ValueError, match=rf"Mamba2Config.{field} must be a pair of numbers \(low, high\)"):
+        m2.config_from_dict(d)
+
