@@ -1227,16 +1227,24 @@ def test_a_hand_edited_last_pt_is_called_damaged_on_resume(text_file, tmp_path, 
         ts.main(["--data", text_file, "--out-dir", folder, "--resume", "--max-iters", "4"])
 
 
-def test_resume_after_best_pt_was_deleted_writes_a_new_one(text_file, tmp_path, capsys):
+def test_resume_after_best_pt_was_deleted_writes_a_new_one(text_file, tmp_path, capsys, monkeypatch):
+    val = iter([2.0, 1.0, 1.5])  # the best at step 4; after the resume, 1.5 at step 6 is no better
+
+    def scripted(*args, **kwargs):  # evaluate() asks for train, then val; finish() for the full val
+        scripted.calls += 1
+        return 1.0 if scripted.calls % 2 else next(val, 0.5)
+
+    scripted.calls = 0
+    monkeypatch.setattr(ts, "mean_loss", scripted)
     out_dir = str(tmp_path / "run")
     common = ["--data", text_file, "--out-dir", out_dir, "--eval-interval", "2"] + TINY
     run(common + ["--max-iters", "4"], capsys)
     os.remove(os.path.join(out_dir, "best.pt"))
+    scripted.calls = 0
     out = run(common + ["--max-iters", "6", "--resume"], capsys)
     assert f"note: {os.path.join(out_dir, 'best.pt')} is missing" in out
-    best = torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)
-    assert best["step"] == 6 and evals(out_dir)[-1]["full_val_loss"] > 0  # the next evaluation wrote it
-    os.remove(os.path.join(out_dir, "best.pt"))  # and a run with nothing left to train says so too
+    assert torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)["step"] == 6  # the next evaluation's
+    os.remove(os.path.join(out_dir, "best.pt"))  # and a run with nothing left to train says so
     with pytest.raises(SystemExit, match="best.pt is missing, so the run has no best model"):
         run(common + ["--max-iters", "6", "--resume"], capsys)
 

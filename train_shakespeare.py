@@ -1,19 +1,15 @@
 """
 train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
 
-    python train_shakespeare.py                              # on a CPU: 5 minutes of training
-    python train_shakespeare.py --max-iters 1000             # a fixed number of steps instead
-    python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
-    python train_shakespeare.py --arch mamba2 --compile      # Mamba-2 (SSD), its mixers compiled
-    python train_shakespeare.py --arch mamba3 --mimo-rank 2  # Mamba-3, MIMO of rank 2 (without the flag: SISO)
-    python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
-    torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
+    python train_shakespeare.py                             # on a CPU: 5 minutes of training
+    python train_shakespeare.py --arch gpt                  # the same-size GPT yardstick (or mamba2, mamba3)
+    python train_shakespeare.py --sample --prompt "ROMEO:"  # generate from the best checkpoint
+    torchrun --nproc_per_node=2 train_shakespeare.py        # data parallel (gloo on CPU, nccl on CUDA)
 
 The first part reads top to bottom like nanoGPT's train.py: settings, data, models, learning rate,
-training step, evaluation, sampling, the run. The plumbing after it makes a run safe to use and to
+training step, evaluation, sampling, the run; the plumbing after it makes a run safe to use and to
 resume. A run is time-based (--max-time, the CPU default: the learning rate, the evaluations and the
 stop follow the fraction of the budget spent) or iteration-based (--max-iters, the CUDA default).
---out-dir receives last.pt (for --resume), best.pt (the lowest val loss) and log.jsonl.
 """
 
 import argparse
@@ -37,8 +33,7 @@ from mamba_minimal import FUSED_BACKENDS, SCAN_BACKENDS, MambaConfig, MambaLM
 # ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
-    # 0.83M parameters, trained for 5 minutes: the shape, state size and learning rate that won
-    # `python bench.py sweep` at that budget (RESULTS.md), the grid that chose the GPT's below too
+    # 0.83M parameters, 5 minutes: what won `python bench.py sweep` at that budget, as the GPT's below
     "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
                 beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
                 max_time=300.0, num_evals=10),
@@ -47,97 +42,42 @@ DEFAULTS = {
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
                  max_time=None, num_evals=20),
 }
-# max_time None: an iteration-based run (max_iters steps, an evaluation every eval_interval);
-# a number of seconds: a time-based run (num_evals evaluations), unless --max-iters is given.
+# max_time None: max_iters steps, an evaluation every eval_interval; else num_evals evaluations
 DEFAULTS["mps"] = DEFAULTS["cpu"]
 
 # What each other architecture changes in DEFAULTS, per device.
 ARCH_DEFAULTS = {
     "mamba": {},
-    # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls; heads of 64 channels were
-    # the fastest 0.83M candidate on a CPU (python bench.py mamba2_train)
+    # Mamba-2: a larger state is cheap (the scan runs as matmuls); python bench.py mamba2_train
     "mamba2": {"cpu": dict(d_model=128, n_layer=7, d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3 at d_state 32 (0.78M parameters): a CPU step costs 1.0-1.2x Mamba-2's at 64 (python
-    # bench.py mamba3); its paper (arXiv 2603.15569) finds state 64 matching Mamba-2's 128
+    # Mamba-3 at d_state 32: a CPU step costs 1.0-1.2x Mamba-2's at 64 (python bench.py mamba3)
     "mamba3": {"cpu": dict(d_model=128, n_layer=7, d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick (gpt_minimal.py): nanoGPT's README CPU run (config/train_shakespeare_char.py: lr 1e-3,
-    # min_lr 1e-4, beta2 0.99, warmup 100, block 64, batch 12, 20 eval batches, no dropout), time-based,
-    # in the 2 x 192 shape that won the sweep at 300 s (nanoGPT's own: --n-layer 4 --d-model 128
-    # --n-head 4 --max-iters 2000). On a GPU: that config's "baby GPT" without its dropout.
+    # The yardstick (gpt_minimal.py): nanoGPT's README CPU run (config/train_shakespeare_char.py), time-based,
+    # in the 2 x 192 shape that won the sweep at 300 s (nanoGPT's: 4 x 128, 4 heads); on a GPU its baby GPT
     "gpt": {"cpu": dict(d_model=192, n_layer=2, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
 
+# The same on every device, for every architecture
+COMMON = dict(seed=1337, weight_decay=0.1, grad_clip=1.0, log_interval=10, patience=0, temperature=0.8, num_chars=500)
 DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 
 
-def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", help=f"a UTF-8 text file (default {DEFAULT_DATA}, downloaded if missing)")
-    p.add_argument("--out-dir", default="out", help="where checkpoints and log.jsonl go")
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    p.add_argument("--seed", type=int, default=1337)
-    m = p.add_argument_group("model (defaults depend on the device and the architecture)")
-    m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"], help="mamba (default), mamba2, mamba3, "
-                   "or gpt (the yardstick); --resume and --sample read it from the checkpoint")
-    m.add_argument("--d-model", type=int)
-    m.add_argument("--n-layer", type=int)
-    m.add_argument("--d-state", type=int, help="mamba, mamba2, mamba3: the SSM state size N")
-    m.add_argument("--headdim", type=int, help="mamba2, mamba3: channels per head")
-    m.add_argument("--mimo-rank", type=int, help="mamba3: MIMO of this rank R (default: SISO)")
-    m.add_argument("--n-head", type=int, help="gpt: attention heads")
-    m.add_argument("--scan-backend", choices=SCAN_BACKENDS, help="mamba: how the selective scan runs")
-    m.add_argument("--compile", action="store_true", help="mamba: the scan's fused path, compiled (it pays at "
-                   "--d-state 16, not at the CPU default's 2); mamba2: torch.compile each mixer")
-    m.add_argument("--chunk-size", type=int, help="mamba, fused path: steps per chunk (default 16)")
-    m.add_argument("--no-recompute", dest="recompute", action="store_false", help="mamba, fused path: plain "
-                   "autograd, not the recomputing backward (more memory)")
-    m.add_argument("--compile-model", action="store_true", help="torch.compile the whole model")
-    t = p.add_argument_group("training (defaults depend on the device)")
-    t.add_argument("--block-size", type=int)
-    t.add_argument("--batch-size", type=int, help="per process")
-    t.add_argument("--max-iters", type=int, help="train this many steps (iteration-based run)")
-    t.add_argument("--max-time", type=float, help="or this many seconds, compiling and evaluating included")
-    t.add_argument("--lr", type=float, help="peak learning rate")
-    t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
-    t.add_argument("--warmup-iters", type=int, help="steps of linear warmup (time-based runs too)")
-    t.add_argument("--lr-decay-iters", type=int, help="iteration-based: steps of the cosine (default max-iters)")
-    t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations")
-    t.add_argument("--num-evals", type=int, help="time-based: evaluations, at equal fractions of the budget")
-    t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
-    t.add_argument("--log-interval", type=int, default=10)
-    t.add_argument("--patience", type=int, default=0, help="stop after this many evals without improvement (0: never)")
-    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help=DTYPE_HELP)
-    t.add_argument("--resume", action="store_true", help="continue <out-dir>/last.pt with its flags (one given "
-                   "again applies); on a CPU the log equals an uninterrupted run's but for 'elapsed'")
-    t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
-    s.add_argument("--checkpoint", help="checkpoint to sample from (default <out-dir>/best.pt)")
-    s.add_argument("--prompt", help="the text to continue (default: a newline, or the text's first character)")
-    s.add_argument("--num-chars", type=int, default=500)
-    s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", type=int)
-    return p
-
-
 def parse_args(argv=None):
-    """The command line: a flag left out is None until fill_defaults gives it its default."""
-    p = build_parser()
-    args = p.parse_args(argv)
-    args.given = flags_given(p, argv, args)  # --resume takes every other flag from last.pt
+    """The command line: a flag per setting above (--d-model sets d_model; --help lists them), None
+    where left out, until fill_defaults gives it its default."""
+    parser = build_parser()  # the flags and their help texts, in the plumbing
+    args = parser.parse_args(argv)
+    args.given = flags_given(parser, argv, args)  # --resume takes every other flag from last.pt
     return args
 
 
 def fill_defaults(args, device):
     """Every flag left out takes its default for the device and the architecture."""
     args.arch = args.arch or "mamba"
-    defaults = {**DEFAULTS[device.type], **ARCH_DEFAULTS[args.arch].get(device.type, {})}
+    defaults = {**COMMON, **DEFAULTS[device.type], **ARCH_DEFAULTS[args.arch].get(device.type, {})}
     if args.max_iters is not None:
         defaults["max_time"] = None  # asking for iterations makes the run iteration-based
     for key, value in defaults.items():
@@ -539,6 +479,60 @@ def set_compiled(model, value):
     for field in ("compile_scan", "compile_mixer"):  # Mamba's and Mamba-2's
         if hasattr(model.cfg, field):
             setattr(model.cfg, field, value)
+
+
+def build_parser():
+    """The command line's flags, one per setting (--d-model sets d_model), and their help texts."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help=f"a UTF-8 text file (default {DEFAULT_DATA}, downloaded if missing)")
+    p.add_argument("--out-dir", default="out", help="where checkpoints and log.jsonl go")
+    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
+    p.add_argument("--seed", type=int)
+    m = p.add_argument_group("model (defaults depend on the device and the architecture)")
+    m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"], help="mamba (default), mamba2, mamba3, "
+                   "or gpt (the yardstick); --resume and --sample read it from the checkpoint")
+    m.add_argument("--d-model", type=int)
+    m.add_argument("--n-layer", type=int)
+    m.add_argument("--d-state", type=int, help="mamba, mamba2, mamba3: the SSM state size N")
+    m.add_argument("--headdim", type=int, help="mamba2, mamba3: channels per head")
+    m.add_argument("--mimo-rank", type=int, help="mamba3: MIMO of this rank R (default: SISO)")
+    m.add_argument("--n-head", type=int, help="gpt: attention heads")
+    m.add_argument("--scan-backend", choices=SCAN_BACKENDS, help="mamba: how the selective scan runs")
+    m.add_argument("--compile", action="store_true", help="mamba: the scan's fused path, compiled (it pays at "
+                   "--d-state 16, not at the CPU default's 2); mamba2: torch.compile each mixer")
+    m.add_argument("--chunk-size", type=int, help="mamba, fused path: steps per chunk (default 16)")
+    m.add_argument("--no-recompute", dest="recompute", action="store_false", help="mamba, fused path: plain "
+                   "autograd, not the recomputing backward (more memory)")
+    m.add_argument("--compile-model", action="store_true", help="torch.compile the whole model")
+    t = p.add_argument_group("training (defaults depend on the device)")
+    t.add_argument("--block-size", type=int)
+    t.add_argument("--batch-size", type=int, help="per process")
+    t.add_argument("--max-iters", type=int, help="train this many steps (iteration-based run)")
+    t.add_argument("--max-time", type=float, help="or this many seconds, compiling and evaluating included")
+    t.add_argument("--lr", type=float, help="peak learning rate")
+    t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
+    t.add_argument("--warmup-iters", type=int, help="steps of linear warmup (time-based runs too)")
+    t.add_argument("--lr-decay-iters", type=int, help="iteration-based: steps of the cosine (default max-iters)")
+    t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
+    t.add_argument("--weight-decay", type=float)
+    t.add_argument("--grad-clip", type=float)
+    t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations")
+    t.add_argument("--num-evals", type=int, help="time-based: evaluations, at equal fractions of the budget")
+    t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
+    t.add_argument("--log-interval", type=int)
+    t.add_argument("--patience", type=int, help="stop after this many evals without improvement (0: never)")
+    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help=DTYPE_HELP)
+    t.add_argument("--resume", action="store_true", help="continue <out-dir>/last.pt with its flags (one given "
+                   "again applies); on a CPU the log equals an uninterrupted run's but for 'elapsed'")
+    t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
+    s.add_argument("--checkpoint", help="checkpoint to sample from (default <out-dir>/best.pt)")
+    s.add_argument("--prompt", help="the text to continue (default: a newline, or the text's first character)")
+    s.add_argument("--num-chars", type=int)
+    s.add_argument("--temperature", type=float)
+    s.add_argument("--top-k", type=int)
+    return p
 
 
 def flags_given(parser, argv, args):
