@@ -917,13 +917,14 @@ def test_dtype_defaults_to_bf16_where_the_gpu_has_it_fp16_on_older_gpus_fp32_els
     def bf16_supported(has_it):
         return lambda including_emulation=True: asked.append(including_emulation) or has_it
 
-    assert ts.default_dtype(torch.device("cpu")) == "fp32" and defaults_for([]).dtype == "fp32"
+    monkeypatch.setattr(ts, "cpu_computes_in_bf16", lambda: False)  # the CPU's own case: below
+    assert ts.default_dtype(torch.device("cpu"), "mamba") == "fp32" and defaults_for([]).dtype == "fp32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(True))
     args = ts.parse_args([])
     ts.fill_defaults(args, torch.device("cuda"))
     assert args.dtype == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(False))  # a T4 or V100
-    assert ts.default_dtype(torch.device("cuda")) == "fp16"
+    assert ts.default_dtype(torch.device("cuda"), "mamba") == "fp16"
     assert asked == [False, False]  # emulated bf16 (slow) does not count
     args = ts.parse_args(["--dtype", "fp32"])
     ts.fill_defaults(args, torch.device("cuda"))
@@ -1322,3 +1323,21 @@ def test_the_gpt_decays_exactly_its_matrices():
                                                                    if p.dim() == 2)
     assert sorted(names[id(p)] for p in no_decay["params"]) == sorted(n for n, p in model.named_parameters()
                                                                       if p.dim() < 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The precision a CPU defaults to
+# ------------------------------------------------------------------------------------------------
+
+def test_a_cpu_defaults_to_bf16_for_mamba_only_with_bf16_instructions(monkeypatch):
+    for found, expected in [({"avx512_bf16": True, "amx_bf16": False}, True), ({"amx_bf16": True}, True),
+                            ({"avx512_f": True, "avx512_bf16": False}, False), ({"bf16": True}, False)]:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda found=found: found, raising=False)
+        assert ts.cpu_computes_in_bf16() is expected, found
+        assert defaults_for([]).dtype == ("bf16" if expected else "fp32")
+        for arch in ("gpt", "mamba2", "mamba3"):  # raced in fp32 only: unchanged
+            assert defaults_for(["--arch", arch]).dtype == "fp32"
+        assert ts.default_dtype(torch.device("mps"), "mamba") == "fp32"
+    monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch: its own check of the same flag
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert ts.cpu_computes_in_bf16() is True

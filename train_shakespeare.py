@@ -90,16 +90,17 @@ def fill_defaults(args, device):
     if args.min_lr is None:
         args.min_lr = args.lr / 10
     if args.dtype is None:
-        args.dtype = default_dtype(device)
+        args.dtype = default_dtype(device, args.arch)
     check_flags(args)  # flags that do not apply and numbers out of range end the run here
 
 
-def default_dtype(device):
+def default_dtype(device, arch):
     """--dtype's default: bf16 where the GPU computes in it (Ampere and later), fp16 with loss scaling
-    on older GPUs (T4, V100 emulate bf16, slowly), fp32 off CUDA."""
-    if device.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    on older GPUs (T4, V100 emulate bf16, slowly); on a CPU with bf16 instructions bf16 for Mamba
+    (raced at 300 s against fp32: the same loss, see --help), else fp32."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return "bf16" if device.type == "cpu" and arch == "mamba" and cpu_computes_in_bf16() else "fp32"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -566,7 +567,23 @@ def pick_device(name):
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 DTYPE_HELP = ("the precision of the matmuls, through torch.autocast; the weights, the optimizer and the SSM "
               "state stay fp32. Default: bf16 on a GPU that computes in it, fp16 with loss scaling on older "
-              "GPUs (fp16 is for CUDA: on a CPU it is several times slower), fp32 on a CPU or MPS")
+              "GPUs (fp16 is meant for those GPUs); on a CPU, bf16 for --arch mamba "
+              "where the CPU has bf16 instructions (AVX-512-BF16 or AMX-BF16), else fp32. Raced on a 2-core Intel "
+              "Xeon VM with AVX-512-BF16 and AMX (busy), `python bench.py race --racers mamba_fp32,mamba_bf16 "
+              "--max-time 300 --together`, four pairs: fp32 437, 151, 136, 331 steps, best val 1.7605, 1.9226, "
+              "1.9420, 1.7970; bf16 428, 152, 139, 329 steps, 1.7630, 1.9217, 1.9379, 1.7940 (RESULTS.md)")
+
+
+def cpu_computes_in_bf16():
+    """Whether the CPU has bf16 instructions (x86's AVX-512-BF16 or AMX-BF16); without them bf16
+    autocast only converts to fp32 and back. torch.cpu.get_capabilities reads cpuinfo (torch 2.9
+    and later); older versions have torch.cpu._is_avx512_bf16_supported, the same check."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        found = capabilities()
+        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    older = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(older and older())
 
 
 def precision(device, dtype):
