@@ -91,7 +91,7 @@ def fill_defaults(args, device):
         args.min_lr = args.lr / 10
     if args.dtype is None:
         args.dtype = default_dtype(device, args.arch)
-    check_flags(args)  # flags that do not apply and numbers out of range end the run here
+    check_flags(args)  # a flag that does not apply, or a number out of range, ends the run at once
 
 
 def default_dtype(device, arch):
@@ -1003,8 +1003,8 @@ def resume(run, ckpt):
         truncate_log(run.log_path, run.p.step)
     log(f"resumed from {run.last_path} at step {run.p.step} (best val {run.p.best_val:.4f})")
     if not os.path.exists(run.best_path):  # deleted by hand: the next evaluation writes a new one
-        log(f"note: {run.best_path} is missing; the run goes on as if its best val so far were infinite, "
-            f"so its next evaluation writes a new best.pt")
+        log(f"note: {run.best_path} is missing; the run goes on with its best val reset to infinity, "
+            f"so that its next evaluation writes a new best.pt")
         run.p.best_val, run.p.bad_evals = math.inf, 0
 
 
@@ -1045,12 +1045,12 @@ def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
 
 
 def compile_now(run):
-    """torch.compile compiles at a model's first calls; make them here, once, inside one try: the
+    """torch.compile compiles at a model's first calls: make them before the loop, inside one try: the
     forward and backward of a training batch (its gradient is dropped) and a no-grad forward in
     eval mode, as an evaluation runs it. Where no compiler works (no C++ compiler on a CPU, a GPU
     that Triton does not support), a note, and the run trains eagerly."""
     args = run.args
-    log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
+    log("compiling before the first step: tens of seconds on a CPU ...")
     x, y = get_batch(run.train_data, run.p.step, args, run.device)
     try:
         loss_fn(run.model, x, y, run.vocab_size, run.autocast).backward()
