@@ -521,6 +521,10 @@ RACERS = {  # --racers names: (row label, the trainer's flags); each runs with i
     "mamba": ("mamba (default)", []),
     "mamba2": ("mamba2 (default)", ["--arch", "mamba2"]),
     "mamba3": ("mamba3 (default)", ["--arch", "mamba3"]),
+    # the default Mamba under each precision, named so that the race means the same whatever the
+    # device's default --dtype is
+    "mamba_fp32": ("mamba, --dtype fp32", ["--dtype", "fp32"]),
+    "mamba_bf16": ("mamba, --dtype bf16", ["--dtype", "bf16"]),
 }
 
 
@@ -1197,7 +1201,8 @@ def main():
     r.add_argument("--runs", type=int, default=2, help="runs of each model")
     r.add_argument("--out-dir", help="where the runs' folders go (default out/race)")
     r.add_argument("--racers", default="gpt,mamba",
-                   help="comma-separated: gpt, mamba, mamba2, mamba3 (default gpt,mamba; the margin is first - second)")
+                   help="comma-separated: gpt, mamba, mamba2, mamba3, mamba_fp32, mamba_bf16 (default gpt,mamba; the "
+                        "margin is first - second)")
     r.add_argument("--round", type=int, choices=(1, 2, 3, 4), default=1,
                    help="sweep: SWEEP_GRID (1) or SWEEP_ROUND_2, _3, _4 (2, 3, 4)")
     r.add_argument("--together", action="store_true",

@@ -4,14 +4,15 @@ pscan.py: the recurrence at the heart of Mamba, and every way to run it
     h_t = a_t * h_{t-1} + b_t          t = 0 .. L-1, from h_{-1} = h0 (zero by default)
 
 In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) a_t = exp(Δ_t·A) is a decay in
-(0, 1) and b_t = Δ_t·B_t·x_t (the official code's first-order form of the paper's B̄_t·x_t),
-elementwise over every (channel, state) pair (mamba_minimal.py).
-The lesson: 1. the loop (scan_sequential), 2. the convolution view (why S4 needed no
-scan), 3. the combine rule, 4. work and depth, 5. the Brent-Kung tree (pscan), 6. the
-Hillis-Steele scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan().
-An appendix holds the engine: A. double backward, jvp, vmap; B. torch's associative_scan;
-C. how "auto" chooses; D. counting combines; E. checking the inputs; F. segment sums, the decays
-of the matrix (attention) form that Mamba-2 and Mamba-3 use.
+(0, 1) and b_t = Δ_t·B_t·x_t, elementwise over every (channel, state) pair: the paper's Ā_t and
+B̄_t·x_t. Ā = exp(Δ·A) and B̄ ≈ Δ·B are the SSM's matrices A and B sampled with a step Δ (B̄ to
+first order, as the official code does); mamba_minimal.py §1 derives them.
+The lesson: 1. the loop (scan_sequential), 2. the convolution view (why S4 needed no scan), 3. the
+combine rule, 4. work and depth, 5. Blelloch's work-efficient scan (pscan), 6. the Hillis-Steele
+scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan(). An appendix holds
+the engine: A. double backward, jvp, vmap; B. torch's associative_scan; C. how "auto" chooses;
+D. counting combines; E. checking the inputs and old names; F. segment sums, the decays of the
+matrix (attention) form that Mamba-2 and Mamba-3 use.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
@@ -133,7 +134,7 @@ def _combine(first, then):
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. The Brent-Kung tree
+# 5. Blelloch's work-efficient scan: the up-sweep and the down-sweep
 # ------------------------------------------------------------------------------------------------
 # Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one multiply-add
 # over strided views, half the size of the level before. After it, the right element of every
@@ -154,10 +155,11 @@ def _combine(first, then):
 #   down 0           └──────┐      └──────┐      └──────┐
 #                          0:3           0:5           0:7
 #
-# Every element t ends holding 0:t+1, its inclusive prefix (Brent & Kung 1982; Blelloch's
-# exclusive scan ends with 0:t). Depth: log2(L) levels up and log2(L) - 1 down. Work: about 2L
-# combines (2L - 2 - log2(L) for a power of two), more than the loop's L: the price of the
-# short depth.
+# Every element t ends holding 0:t+1, its inclusive prefix. (Precisely: Blelloch's 1990 scan is
+# exclusive, each element ends with 0:t; this inclusive form of the same two sweeps is Brent &
+# Kung's 1982 tree, hence the function's name.) Depth: log2(L) levels up and log2(L) - 1 down.
+# Work: about 2L combines (2L - 2 - log2(L) for a power of two), more than the loop's L: the
+# price of the short depth.
 #
 # Each level recurses on the right elements of its pairs (a view with twice the stride), so L
 # need not be a power of two: an odd last element sits out that level's up-sweep and is finished
@@ -169,7 +171,7 @@ def _combine(first, then):
 #   reverse:  g_t = a_{t+1} * g_{t+1} + grad_t,   element t takes w[t] = a_{t+1} (L-1 takes none)
 
 def _brent_kung_(x, w, reverse=False):
-    """Scan x in place along dim 1 and return it.
+    """The up-sweep and the down-sweep: scan x in place along dim 1 and return it.
     x: (batch, n, *rest), any strides; w: (batch, n-1, *rest)."""
     n = x.shape[1]
     if n < 2:
@@ -186,8 +188,9 @@ def _brent_kung_(x, w, reverse=False):
         # down-sweep: elements 2, 4, ... take the finished prefix of the element before them
         x[:, 2:n:2].addcmul_(w[:, 1 : n - 1 : 2], x[:, 1 : n - 1 : 2])
     else:
-        # the mirror image: pairs are aligned at the end, the left element receives, and an
-        # odd element 0 sits out
+        # the mirror image: pairs aligned at the end, the left element receives, an odd element
+        # 0 sits out. For n = 5 (off = 1): 1 <- 2 and 3 <- 4 up, the recursion on 1 and 3, then
+        # 0 <- 1 and 2 <- 3 down
         off = n - 2 * p
         recv, give = x[:, off:n:2], x[:, off + 1 : n : 2]  # (batch, p, *rest)
         w_recv = w[:, off : n - 1 : 2]  # (batch, p, *rest)
@@ -216,7 +219,7 @@ def _brent_kung_(x, w, reverse=False):
 #
 #   scan                work           depth        counted at L = 1024 (`python bench.py depth`)
 #   Hillis-Steele       O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
-#   Brent-Kung (pscan)  O(L)           O(log L)     2036 combines in 19 levels: up, then down
+#   Blelloch (pscan)    O(L)           O(log L)     2036 combines in 19 levels: up, then down
 #   loop                L              L            1024 combines in 1024 levels
 #
 # Half the tree's levels, for log2(L)/2 times its work.
@@ -271,6 +274,7 @@ def _two_level(x, w, reverse=False, chunk_size=64):
     K = -(-n // T)  # number of chunks
     pad = K * T - n  # identity steps (a = 1, b = 0) at the end change nothing
     one = (batch, 1) + rest
+    # element 0's multiplier is never used (chunk 0 takes no carried state): 0
     m = torch.cat([x.new_zeros(one), w, x.new_ones((batch, pad) + rest)], dim=1)  # (batch, K·T, *rest)
     x = torch.cat([x, x.new_zeros((batch, pad) + rest)], dim=1) if pad else x.contiguous()
     xs, ms = x.view((batch * K, T) + rest), m.view((batch * K, T) + rest)  # every chunk a row
@@ -321,7 +325,8 @@ def _backward(fn, ctx, a, h, h0, grad_h):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """A subclass sets `_scan(x, w, reverse, *extra)`. h comes back in the accumulation dtype."""
+    """A scan with the backward above: a subclass sets `_scan(x, w, reverse, *extra)`. h comes back
+    in the accumulation dtype. Appendix A adds second derivatives and forward mode."""
 
     @classmethod
     def forward(cls, a, b, h0, dtype, *extra):
@@ -335,16 +340,11 @@ class _ScanFunction(torch.autograd.Function):
         a, _, h0, _, *extra = inputs
         ctx.extra = tuple(extra)
         ctx.save_for_backward(a, output, h0)
-        ctx.save_for_forward(a, output, h0)  # appendix A
 
     @classmethod
     def backward(cls, ctx, grad_h):
         a, h, h0 = ctx.saved_tensors
-        if torch.is_grad_enabled():  # a second derivative follows: appendix A
-            grads = _backward_recorded(cls, ctx, a, h, h0, grad_h)
-        else:
-            grads = _backward(cls, ctx, a, h, h0, grad_h)
-        return (*grads, None) + (None,) * len(ctx.extra)
+        return (*_backward(cls, ctx, a, h, h0, grad_h), None) + (None,) * len(ctx.extra)
 
 
 class _BrentKung(_ScanFunction):
@@ -360,7 +360,8 @@ class _TwoLevel(_ScanFunction):
 
 
 def pscan(a, b, h0=None):
-    """The Brent-Kung tree (section 5) with the reverse-scan backward. Same contract as scan_sequential."""
+    """Blelloch's work-efficient scan, up-sweep and down-sweep (section 5; inclusive, as Brent-Kung's
+    tree), with the reverse-scan backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
     return _BrentKung.apply(a, b, h0, dtype).to(a.dtype)
 
@@ -379,8 +380,6 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
     return _TwoLevel.apply(a, b, h0, dtype, chunk_size).to(a.dtype)
 
 
-scan_chunked = scan_two_level  # deprecated alias ("chunked" names Mamba-2's SSD form, mamba2_minimal.py)
-
 
 # ------------------------------------------------------------------------------------------------
 # 9. One entry point
@@ -394,12 +393,7 @@ BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associ
 
 def scan(a, b, h0=None, backend="auto"):
     """Run the recurrence with the chosen backend; "auto" picks by device, width, threads and autograd."""
-    if backend == "chunked":  # deprecated: "chunked" names Mamba-2's SSD form (mamba2_minimal.py)
-        warnings.warn('pscan.scan: backend="chunked" is deprecated, it is the two-level scan: use "two_level"',
-                      DeprecationWarning, stacklevel=2)
-        backend = "two_level"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = _check_backend(backend)  # appendix E
     if backend == "auto":
         backend = choose_backend(a, b, h0)
     functions = {"sequential": scan_sequential, "pscan": pscan, "hillis_steele": scan_hillis_steele,
@@ -454,6 +448,25 @@ def _jvp(cls, ctx, tan_a, tan_b, tan_h0, *_):
     return cls.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, *ctx.extra)
 
 
+def _setup_context_for_jvp(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    a, _, h0, *_ = inputs
+    ctx.save_for_forward(a, output, h0)  # what _jvp reads as ctx.saved_tensors
+
+
+def _backward_any_order(cls, ctx, grad_h):
+    a, h, h0 = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: a second derivative follows
+        grads = _backward_recorded(cls, ctx, a, h, h0, grad_h)
+    else:
+        grads = _backward(cls, ctx, a, h, h0, grad_h)
+    return (*grads, None) + (None,) * len(ctx.extra)
+
+
+# section 8's class, with these in place of its setup_context and backward
+_setup_context = _ScanFunction.setup_context
+_ScanFunction.setup_context = staticmethod(_setup_context_for_jvp)
+_ScanFunction.backward = classmethod(_backward_any_order)
 _ScanFunction.jvp = classmethod(_jvp)
 _ScanFunction.generate_vmap_rule = True
 
@@ -567,9 +580,25 @@ def count_combines():
 
 
 # ------------------------------------------------------------------------------------------------
-# E. Checking the inputs
+# E. Checking the inputs, and old names
 # ------------------------------------------------------------------------------------------------
-# What every backend accepts, checked before anything runs.
+# What every backend accepts, checked before anything runs. The two-level scan was once called
+# "chunked", a word that belongs to Mamba-2's chunked SSD (mamba2_minimal.py): the old names still
+# work, with a DeprecationWarning.
+
+scan_chunked = scan_two_level  # deprecated alias
+
+
+def _check_backend(backend):
+    """The backend's name, "chunked" mapped to "two_level" with a warning; ValueError if unknown."""
+    if backend == "chunked":
+        warnings.warn('pscan.scan: backend="chunked" is deprecated, it is the two-level scan: use "two_level"',
+                      DeprecationWarning, stacklevel=3)
+        return "two_level"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
 
 def _shape(t):
     """A tensor's shape, or the type's name for anything else: what an error message shows."""

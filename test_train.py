@@ -11,13 +11,16 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import train_shakespeare as ts
 from mamba_minimal import MambaConfig, MambaLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# fp32 whatever the CPU's default --dtype: the tests compare with fp32 and float64 oracles
 TINY = ["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--block-size", "16", "--batch-size", "4",
-        "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--log-interval", "1", "--no-sample"]
+        "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--log-interval", "1", "--dtype", "fp32",
+        "--no-sample"]  # last: without(TINY, "--no-sample") drops a flag and the word after it
 
 
 def without(argv, *flags):
@@ -140,8 +143,8 @@ import train_shakespeare as ts
 losses, weights, evaluated = [], [], []
 real_loss_fn, real_step, real_windows = ts.loss_fn, torch.optim.AdamW.step, ts.windows
 
-def loss_fn(model, x, y, autocast):
-    loss = real_loss_fn(model, x, y, autocast)
+def loss_fn(*a):
+    loss = real_loss_fn(*a)
     if torch.is_grad_enabled():
         losses.append(loss.item())
     return loss
@@ -818,8 +821,7 @@ def test_the_gpt_yardstick_is_causal_and_nanogpt_sized():
 
 GPT_TINY = ["--arch", "gpt", "--d-model", "16", "--n-layer", "1", "--n-head", "2", "--block-size", "16",
             "--batch-size", "4", "--eval-iters", "2", "--warmup-iters", "2", "--lr", "1e-2", "--lr-decay-iters", "1000",
-            "--log-interval", "1",
-            "--no-sample"]
+            "--log-interval", "1", "--dtype", "fp32", "--no-sample"]
 
 
 def trains_resumes_and_samples(arch, tiny, build, text_file, tmp_path, capsys, monkeypatch):
@@ -881,7 +883,6 @@ def test_mamba2_training_step_under_bf16_autocast_follows_the_float64_loop(monke
 
     import mamba2_minimal as m2
     from test_mamba2 import reference_ssd
-    monkeypatch.setattr(ts, "VOCAB_SIZE", 20)
     args = ts.parse_args(["--arch", "mamba2", "--d-model", "32", "--n-layer", "2", "--d-state", "8",
                           "--headdim", "16", "--block-size", "96", "--grad-clip", "0"])
     ts.fill_defaults(args, torch.device("cpu"))
@@ -899,11 +900,11 @@ def test_mamba2_training_step_under_bf16_autocast_follows_the_float64_loop(monke
 
     with monkeypatch.context() as m:
         m.setattr(m2, "ssd", loop)  # the oracle: the per-head float64 loop in every layer
-        loss_ref = ts.loss_fn(reference, x, y, contextlib.nullcontext())
+        loss_ref = ts.loss_fn(reference, x, y, 20, contextlib.nullcontext())
         grads_ref = torch.autograd.grad(loss_ref, list(reference.parameters()))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = ts.train_step(model, optimizer, x, y, args, ts.precision(torch.device("cpu"), "bf16")[0])
+    loss = ts.train_step(model, optimizer, x, y, 20, args, ts.precision(torch.device("cpu"), "bf16")[0])
     # bf16 matmuls keep about 3 significant digits
     assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
     for (name, p), g_ref in zip(model.named_parameters(), grads_ref):
@@ -916,13 +917,14 @@ def test_dtype_defaults_to_bf16_where_the_gpu_has_it_fp16_on_older_gpus_fp32_els
     def bf16_supported(has_it):
         return lambda including_emulation=True: asked.append(including_emulation) or has_it
 
-    assert ts.default_dtype(torch.device("cpu")) == "fp32" and defaults_for([]).dtype == "fp32"
+    monkeypatch.setattr(ts, "cpu_computes_in_bf16", lambda: False)  # the CPU's own case: below
+    assert ts.default_dtype(torch.device("cpu"), "mamba") == "fp32" and defaults_for([]).dtype == "fp32"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(True))
     args = ts.parse_args([])
     ts.fill_defaults(args, torch.device("cuda"))
     assert args.dtype == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", bf16_supported(False))  # a T4 or V100
-    assert ts.default_dtype(torch.device("cuda")) == "fp16"
+    assert ts.default_dtype(torch.device("cuda"), "mamba") == "fp16"
     assert asked == [False, False]  # emulated bf16 (slow) does not count
     args = ts.parse_args(["--dtype", "fp32"])
     ts.fill_defaults(args, torch.device("cuda"))
@@ -946,7 +948,6 @@ def test_dtype_sets_autocast_and_fp16_trains_with_a_loss_scaler(monkeypatch):
         with pytest.raises(SystemExit, match="--dtype bf16 needs torch.autocast on cpu"):
             ts.precision(cpu, "bf16")
     # one fp16 step with the scaler: the clipped gradients are the true ones, not the scaled ones
-    monkeypatch.setattr(ts, "VOCAB_SIZE", 20)
     args = ts.parse_args(["--d-model", "16", "--n-layer", "1", "--d-state", "4", "--grad-clip", "0.5"])
     ts.fill_defaults(args, cpu)
     torch.manual_seed(0)
@@ -955,12 +956,12 @@ def test_dtype_sets_autocast_and_fp16_trains_with_a_loss_scaler(monkeypatch):
     x, y = ids[:, :-1], ids[:, 1:]
     reference = MambaLM(MambaConfig(d_model=16, n_layer=1, vocab_size=20, d_state=4)).double()
     reference.load_state_dict(model.state_dict())
-    loss_ref = ts.loss_fn(reference, x, y, contextlib.nullcontext())
+    loss_ref = ts.loss_fn(reference, x, y, 20, contextlib.nullcontext())
     grads_ref = torch.autograd.grad(loss_ref, list(reference.parameters()))
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads_ref))
     assert norm > 0.5  # so that clipping acts
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss = ts.train_step(model, optimizer, x, y, args, autocast, scaler)
+    loss = ts.train_step(model, optimizer, x, y, 20, args, autocast, scaler)
     assert abs(loss.item() - loss_ref.item()) < 1e-2 * loss_ref.item()
     for (name, p), g_ref in zip(model.named_parameters(), grads_ref):
         assert (p.grad.double() - g_ref * 0.5 / norm).norm() <= 0.02 * (g_ref * 0.5 / norm).norm() + 1e-6, name
@@ -968,8 +969,8 @@ def test_dtype_sets_autocast_and_fp16_trains_with_a_loss_scaler(monkeypatch):
 
 def test_an_fp16_run_keeps_its_loss_scale_in_the_checkpoint(text_file, tmp_path, capsys):
     out_dir = str(tmp_path / "fp16")
-    out = run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "4", "--eval-interval", "2",
-               "--dtype", "fp16"] + TINY, capsys)
+    out = run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "4", "--eval-interval", "2"]
+              + TINY + ["--dtype", "fp16"], capsys)
     assert "thread(s), fp16" in out
     assert all(math.isfinite(r["val_loss"]) for r in evals(out_dir) if "val_loss" in r)
     ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
@@ -1001,6 +1002,35 @@ def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path,
     out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
     notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
     assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
+    assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))
+
+
+@pytest.mark.parametrize("flag", ["--compile-model", "mamba2 --compile"])
+def test_a_compiler_that_fails_only_at_the_first_evaluation_falls_back_before_training(
+        text_file, tmp_path, capsys, monkeypatch, flag):
+    # an evaluation runs without autograd, which compiles graphs of its own: the one-time check
+    # before the loop runs both kinds, so such a failure is caught there, not at the first evaluation
+    # (Mamba-1's --compile is left out: its compiled chunk runs inside an autograd Function, without
+    # autograd in training too)
+    import mamba2_minimal as m2
+
+    def compile_failing_without_grad(fn, *a, **k):
+        def call(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                raise RuntimeError("InductorError: a graph without autograd does not compile")
+            return fn(*args, **kwargs)
+        if isinstance(fn, torch.nn.Module):
+            return type("Compiled", (torch.nn.Module,), {"forward": lambda self, *a, **k: call(*a, **k)})()
+        return call
+
+    common = ["--data", text_file, "--max-iters", "4", "--eval-interval", "2"] + \
+        (MAMBA2_TINY if flag.startswith("mamba2") else TINY)
+    run(common + ["--out-dir", str(tmp_path / "eager")], capsys)
+    monkeypatch.setattr(torch, "compile", compile_failing_without_grad)
+    monkeypatch.setattr(m2, "_compiled_forward", functools.cache(m2._compiled_forward.__wrapped__))
+    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
+    notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
+    assert len(notes) == 1 and out.index(notes[0]) < out.index("step 1/4")
     assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))
 
 
@@ -1043,3 +1073,271 @@ def test_mamba3_defaults_and_its_flags():
                         (["--arch", "mamba3", "--mimo-rank", "0"], "--mimo-rank must be at least 1")]:
         with pytest.raises(SystemExit, match=match):
             defaults_for(argv)
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags that only some models have, and the fused path's
+# ------------------------------------------------------------------------------------------------
+
+def test_model_flags_of_another_arch_or_of_the_unused_fused_path_are_refused():
+    for argv, match in [(["--arch", "mamba2", "--no-recompute"], "--no-recompute does not apply to --arch mamba2"),
+                        (["--arch", "mamba3", "--no-recompute"], "--no-recompute does not apply to --arch mamba3"),
+                        (["--arch", "gpt", "--no-recompute"], "--no-recompute does not apply to --arch gpt"),
+                        (["--arch", "gpt", "--chunk-size", "8"], "--chunk-size does not apply to --arch gpt"),
+                        (["--no-recompute"], "--no-recompute applies to the fused path only"),
+                        (["--chunk-size", "8"], "--chunk-size applies to the fused path only"),
+                        (["--compile", "--chunk-size", "0"], "--chunk-size must be at least 1")]:
+        with pytest.raises(SystemExit, match=match):
+            defaults_for(argv)
+    for argv in (["--compile", "--chunk-size", "8"], ["--scan-backend", "fused", "--no-recompute"]):
+        defaults_for(argv)  # the fused path takes them
+
+
+def test_chunk_size_and_no_recompute_reach_the_fused_path(text_file, tmp_path, capsys):
+    out_dir = str(tmp_path / "fused")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2",
+         "--scan-backend", "fused", "--chunk-size", "4", "--no-recompute"] + TINY, capsys)
+    config = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["config"]
+    assert (config["scan_backend"], config["chunk_size"], config["recompute"]) == ("fused", 4, False)
+    assert defaults_for([]).recompute is True and MambaConfig(d_model=8, n_layer=1, vocab_size=5).chunk_size == \
+        ts.model_kwargs(defaults_for([]), 5)["chunk_size"]  # without the flag: the config's default
+
+
+# ------------------------------------------------------------------------------------------------
+# torchrun and the device; the text on a machine without a network
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device, match", [
+    ("cuda:1", "--device cuda:1 under torchrun: each process takes the GPU of its LOCAL_RANK"),
+    ("mps", "--device mps under torchrun"),
+])
+def test_torchrun_refuses_a_device_that_names_one_gpu_for_every_process(monkeypatch, device, match):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(ts, "RANK", 0)  # restored after the test
+    monkeypatch.setattr(ts, "WORLD", 1)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("no process group may start"))
+    with pytest.raises(SystemExit, match=match):
+        ts.start_processes(ts.parse_args(["--device", device]))
+
+
+def test_torchrun_with_device_cuda_needs_a_gpu_per_process(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(ts, "RANK", 0)
+    monkeypatch.setattr(ts, "WORLD", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU for two processes
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("no process group may start"))
+    with pytest.raises(SystemExit, match="process 1 needs cuda:1, and torch finds 1 cuda device"):
+        ts.start_processes(ts.parse_args(["--device", "cuda"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never gloo on a CPU instead
+    with pytest.raises(SystemExit, match="process 1 needs cuda:1, and torch finds 0 cuda device"):
+        ts.start_processes(ts.parse_args(["--device", "cuda"]))
+
+
+def test_without_a_network_the_error_names_the_file_to_copy_and_data(tmp_path, monkeypatch):
+    def offline(*a, **k):
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(ts.urllib.request, "urlopen", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        ts.main(["--out-dir", str(tmp_path / "r")] + TINY)
+    message = str(exit_info.value)
+    assert message.startswith("error: could not download") and "--data PATH" in message
+    assert os.path.join(str(tmp_path), "data", "tinyshakespeare.txt") in message  # where, in full
+
+
+# ------------------------------------------------------------------------------------------------
+# A full disk, damaged checkpoints, a deleted best.pt
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 135424")],
+                         ids=["OSError", "RuntimeError"])
+def test_a_full_disk_during_a_save_keeps_the_last_good_checkpoint(text_file, tmp_path, capsys, monkeypatch, error):
+    out_dir = str(tmp_path / "run")
+    real_save = torch.save
+
+    def disk_fills_up(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("step") == 20 and "last.pt" in str(f):
+            with open(f, "wb") as half:
+                half.write(b"PK\x03\x04 half a zip")  # the disk fills up in the middle of the write
+            raise error
+        real_save(obj, f, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", disk_fills_up)
+        with pytest.raises(SystemExit, match=r"error: could not write .*last\.pt \(disk full\?\)"):
+            wobbly_run(text_file, out_dir, capsys)
+    assert not [f for f in os.listdir(out_dir) if ".tmp" in f]  # the temporary is gone
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 19  # the last good one
+    out = run(["--data", text_file, "--out-dir", out_dir, "--resume"] + without(TINY, "--lr") + WOBBLY, capsys)
+    assert "at step 19" in out
+
+
+def edited(out_dir, name, tmp_path, **changes):
+    """A copy of out_dir/name with some fields changed (args.KEY for a saved flag), in a folder of its own."""
+    ckpt = torch.load(os.path.join(out_dir, name), weights_only=True)
+    for key, value in changes.items():
+        if key.startswith("args_"):
+            ckpt["args"] = {**ckpt["args"], key[5:]: value}
+        else:
+            ckpt[key] = value
+    folder = tmp_path / f"edited{len(os.listdir(tmp_path))}"
+    folder.mkdir()
+    for other in ("best.pt", "last.pt"):
+        torch.save(ckpt if other == name else torch.load(os.path.join(out_dir, other), weights_only=True),
+                   folder / other)
+    return str(folder)
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(vocab="abc"), "its vocab has 3 characters, its config's vocab_size is"),
+    (dict(vocab=40), "its vocab is 40, not a string"),
+    (dict(config=[1, 2]), "its config is list, not a dict"),
+    (dict(model={"w": 3}), "its model is not a dict of tensors"),
+    (dict(arch=["mamba"]), r"holds an unknown architecture \['mamba'\]"),
+])
+def test_a_hand_edited_checkpoint_is_called_damaged_when_sampled(text_file, tmp_path, capsys, changes, match):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    folder = edited(out_dir, "best.pt", tmp_path, **changes)
+    with pytest.raises(SystemExit, match=match):
+        ts.main(["--sample", "--out-dir", folder, "--num-chars", "5"])
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(step="5"), "is damaged: its step is '5'"),
+    (dict(stopped_early=1), "is damaged: its stopped_early is 1"),
+    (dict(best_val="low"), "is damaged: its best_val is 'low'"),
+    (dict(vocab=7), "is damaged: its vocab is 7"),
+    (dict(config=[]), "is damaged: its config is list"),
+    (dict(args_given=5), "is damaged: its list of given flags is 5"),
+    (dict(args_max_iters="20"), "is damaged: its flag --max-iters is '20'"),
+    (dict(args_dtype="fp8"), "is damaged: its flag --dtype is 'fp8'"),
+    (dict(args_compile="yes"), "is damaged: its flag --compile is 'yes'"),
+    (dict(torch_rng=torch.zeros(3, dtype=torch.uint8)), "is damaged: its torch_rng is not torch's random state"),
+    (dict(optimizer={"state": {}, "param_groups": [{"params": [0]}]}), "is damaged: its weights or optimizer state"),
+])
+def test_a_hand_edited_last_pt_is_called_damaged_on_resume(text_file, tmp_path, capsys, changes, match):
+    out_dir = str(tmp_path / "run")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
+    folder = edited(out_dir, "last.pt", tmp_path, **changes)
+    with pytest.raises(SystemExit, match=match):
+        ts.main(["--data", text_file, "--out-dir", folder, "--resume", "--max-iters", "4"])
+
+
+def test_resume_after_best_pt_was_deleted_writes_a_new_one(text_file, tmp_path, capsys, monkeypatch):
+    val = iter([2.0, 1.0, 1.5])  # the best at step 4; after the resume, 1.5 at step 6 is no better
+
+    def scripted(*args, **kwargs):  # evaluate() asks for train, then val; finish() for the full val
+        scripted.calls += 1
+        return 1.0 if scripted.calls % 2 else next(val, 0.5)
+
+    scripted.calls = 0
+    monkeypatch.setattr(ts, "mean_loss", scripted)
+    out_dir = str(tmp_path / "run")
+    common = ["--data", text_file, "--out-dir", out_dir, "--eval-interval", "2"] + TINY
+    run(common + ["--max-iters", "4"], capsys)
+    os.remove(os.path.join(out_dir, "best.pt"))
+    scripted.calls = 0
+    out = run(common + ["--max-iters", "6", "--resume"], capsys)
+    assert f"note: {os.path.join(out_dir, 'best.pt')} is missing" in out
+    assert torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)["step"] == 6  # the next evaluation's
+    os.remove(os.path.join(out_dir, "best.pt"))  # and a run with nothing left to train says so
+    with pytest.raises(SystemExit, match="best.pt is missing, so the run has no best model"):
+        run(common + ["--max-iters", "6", "--resume"], capsys)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling, the batches and the GPT yardstick: the properties the documentation states
+# ------------------------------------------------------------------------------------------------
+
+def test_sample_reads_best_pt_by_default(text_file, tmp_path, capsys, monkeypatch):
+    val = iter([3.0, 2.0, 2.5, 2.2, 2.6])  # best at step 2, last at step 5
+
+    def scripted(*args, **kwargs):  # evaluate() asks for train, then val
+        scripted.calls += 1
+        return 1.0 if scripted.calls % 2 else next(val, 0.5)
+
+    scripted.calls = 0
+    out_dir = str(tmp_path / "run")
+    with monkeypatch.context() as m:
+        m.setattr(ts, "mean_loss", scripted)
+        run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "5", "--eval-interval", "1"] + TINY, capsys)
+    _, ckpt = ts.load_for_sampling(ts.parse_args(["--sample", "--out-dir", out_dir]), torch.device("cpu"))
+    assert ckpt["step"] == 2  # best.pt, not last.pt (step 5)
+
+
+def test_sampling_defaults_are_the_documented_ones():
+    args = defaults_for([])
+    assert (args.temperature, args.top_k, args.num_chars, args.prompt) == (0.8, None, 500, None)
+    assert ts.checked_prompt(None, "\nab") == "\n" and ts.checked_prompt(None, "ab") == "a"
+
+
+def test_training_windows_stay_inside_the_split():
+    args = argparse.Namespace(seed=1, block_size=8, batch_size=64)
+    split = torch.arange(10)  # a window of 8 and its next-character target fit at starts 0 and 1 only
+    starts = set()
+    for step in range(20):
+        x, y = ts.get_batch(split, step, args, "cpu")
+        assert torch.equal(y, x + 1)
+        starts |= set(x[:, 0].tolist())
+    assert starts == {0, 1}
+
+
+def test_the_gpt_init_is_nanogpts():
+    from gpt_minimal import GPTConfig, TinyGPT
+    torch.manual_seed(0)
+    n_layer = 4
+    model = TinyGPT(GPTConfig(vocab_size=65, d_model=128, n_layer=n_layer, n_head=4))
+    residual = 0.02 / math.sqrt(2 * n_layer)  # the projections that write into the residual stream
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            expected = residual if name.endswith(("proj.weight", "out.weight")) else 0.02
+            # the std of at least 8,192 normal draws is within 2% of the truth (about 7 standard errors)
+            assert abs(p.std().item() / expected - 1) < 0.05, name
+
+
+def test_the_gpt_uses_its_position_embedding():
+    from gpt_minimal import GPTConfig, TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab_size=65, d_model=32, n_layer=1, n_head=2, block_size=16))
+    ids = torch.full((1, 8), 5)  # the same token everywhere: only the positions tell them apart
+    with torch.no_grad():
+        out = model(ids)
+    assert (out[0, 1] - out[0, 6]).abs().max() > 1e-3  # without positions: equal to rounding
+
+
+def test_the_gpt_decays_exactly_its_matrices():
+    from gpt_minimal import GPTConfig, TinyGPT
+    model = TinyGPT(GPTConfig(vocab_size=65, d_model=32, n_layer=2, n_head=2))
+    decay, no_decay = model.optim_groups(0.1)
+    names = {id(p): n for n, p in model.named_parameters()}  # the tied head appears once
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert sorted(names[id(p)] for p in decay["params"]) == sorted(n for n, p in model.named_parameters()
+                                                                   if p.dim() == 2)
+    assert sorted(names[id(p)] for p in no_decay["params"]) == sorted(n for n, p in model.named_parameters()
+                                                                      if p.dim() < 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# The precision a CPU defaults to
+# ------------------------------------------------------------------------------------------------
+
+def test_a_cpu_defaults_to_bf16_for_mamba_only_with_bf16_instructions(monkeypatch):
+    for found, expected in [({"avx512_bf16": True, "amx_bf16": False}, True), ({"amx_bf16": True}, True),
+                            ({"avx512_f": True, "avx512_bf16": False}, False), ({"bf16": True}, False)]:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda found=found: found, raising=False)
+        assert ts.cpu_computes_in_bf16() is expected, found
+        assert defaults_for([]).dtype == ("bf16" if expected else "fp32")
+        for arch in ("gpt", "mamba2", "mamba3"):  # raced in fp32 only: unchanged
+            assert defaults_for(["--arch", arch]).dtype == "fp32"
+        assert ts.default_dtype(torch.device("mps"), "mamba") == "fp32"
+    monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch: its own check of the same flag
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert ts.cpu_computes_in_bf16() is True

@@ -1,24 +1,19 @@
 """
 train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
 
-    python train_shakespeare.py                              # on a CPU: 5 minutes of training
-    python train_shakespeare.py --max-iters 1000             # a fixed number of steps instead
-    python train_shakespeare.py --arch gpt                   # the same-size GPT yardstick, same data
-    python train_shakespeare.py --arch mamba2 --compile      # Mamba-2 (SSD), its mixers compiled
-    python train_shakespeare.py --arch mamba3 --mimo-rank 2  # Mamba-3, MIMO of rank 2 (without the flag: SISO)
-    python train_shakespeare.py --sample --prompt "ROMEO:"   # generate from the best checkpoint
-    torchrun --nproc_per_node=2 train_shakespeare.py         # data parallel (gloo on CPU, nccl on CUDA)
+    python train_shakespeare.py                             # on a CPU: 5 minutes of training
+    python train_shakespeare.py --arch gpt                  # the same-size GPT yardstick (or mamba2, mamba3)
+    python train_shakespeare.py --sample --prompt "ROMEO:"  # generate from the best checkpoint
+    torchrun --nproc_per_node=2 train_shakespeare.py        # data parallel (gloo on CPU, nccl on CUDA)
 
-Read top to bottom like nanoGPT's train.py: settings, data, models, learning rate, training step,
-evaluation, sampling, the run; then the plumbing that makes a run safe to use and to resume.
-A run is time-based (--max-time; the CPU default, 300 s: the learning rate's decay, the evaluations and
-the stop follow the fraction of the budget spent) or iteration-based (--max-iters; the CUDA default).
---out-dir receives last.pt (for --resume), best.pt (lowest val loss) and log.jsonl (a JSON line per
-evaluation, one for the final loss); a fresh run removes an earlier run's files there. --resume continues
-a run exactly: an iteration-based run's log.jsonl equals the uninterrupted run's but for "elapsed".
+The first part reads top to bottom like nanoGPT's train.py: settings, data, models, learning rate,
+training step, evaluation, sampling, the run; the plumbing after it makes a run safe to use and to
+resume. A run is time-based (--max-time, the CPU default: the learning rate, the evaluations and the
+stop follow the fraction of the budget spent) or iteration-based (--max-iters, the CUDA default).
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,16 +26,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mamba_minimal import SCAN_BACKENDS, MambaConfig, MambaLM
+from mamba_minimal import FUSED_BACKENDS, SCAN_BACKENDS, MambaConfig, MambaLM
 
 # ------------------------------------------------------------------------------------------------
-# Settings: defaults per device; every one can be overridden on the command line
+# Settings: defaults per device and architecture, and the command line that overrides them
 # ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
-    # 0.83M parameters, trained for 5 minutes. Chosen at that budget by `python bench.py sweep` (four
-    # rounds, the same grid size for the GPT below; RESULTS.md): 5 layers of width 160 beat 7 of 128
-    # by 0.014; d_state 2 tied with 1 and beat 4 by 0.013 in paired runs (a faster step); 8 lost
+    # 0.83M parameters, 5 minutes: what won `python bench.py sweep` at that budget, as the GPT's below
     "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
                 beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
                 max_time=300.0, num_evals=10),
@@ -49,41 +42,73 @@ DEFAULTS = {
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
                  max_time=None, num_evals=20),
 }
-# max_time None: the default run is iteration-based (max_iters steps, an evaluation every
-# eval_interval); a number of seconds: time-based (num_evals evaluations), unless --max-iters is given.
+# max_time None: max_iters steps, an evaluation every eval_interval; else num_evals evaluations
 DEFAULTS["mps"] = DEFAULTS["cpu"]
 
 # What each other architecture changes in DEFAULTS, per device.
 ARCH_DEFAULTS = {
     "mamba": {},
-    # Mamba-2 and Mamba-3 keep 7 layers of width 128 on a CPU (bench.py sweep covers Mamba-1 and the GPT).
-    # Mamba-2 (SSD): a larger state is cheap, since the scan runs as matmuls. Heads of 64 channels:
-    # the fastest 0.83M candidate on a CPU (python bench.py mamba2_train), as in the official models
+    # Mamba-2: a larger state is cheap (the scan runs as matmuls); python bench.py mamba2_train
     "mamba2": {"cpu": dict(d_model=128, n_layer=7, d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3: at d_state 32 (0.78M parameters) a CPU training step costs 1.0-1.2x Mamba-2's at 64
-    # (python bench.py mamba3); its paper (arXiv 2603.15569) finds state 64 matching Mamba-2's 128.
-    # On a GPU: Mamba-2's values, untested for Mamba-3
+    # Mamba-3 at d_state 32: a CPU step costs 1.0-1.2x Mamba-2's at 64 (python bench.py mamba3)
     "mamba3": {"cpu": dict(d_model=128, n_layer=7, d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick (gpt_minimal.py). On a CPU: nanoGPT's README CPU run (config/train_shakespeare_char.py:
-    # lr 1e-3, min_lr 1e-4, beta2 0.99, warmup 100; --block_size=64 --batch_size=12 --eval_iters=20
-    # --dropout=0.0) but 2 layers of width 192 with 6 heads, not --n_layer=4 --n_embd=128 --n_head=4: at
-    # 300 s that shape won `python bench.py sweep` by 0.087 (lr 2e-3 tied with it; RESULTS.md). Time-based
-    # like the Mamba CPU defaults, so that runs compare at equal time; `--n-layer 4 --d-model 128 --n-head 4
-    # --max-iters 2000` is nanoGPT's own CPU run (its --lr_decay_iters=2000 schedule).
-    # On a GPU: that config's "baby GPT", without its dropout 0.2 and with 40 eval batches, not 200.
+    # The yardstick (gpt_minimal.py): nanoGPT's README CPU run (config/train_shakespeare_char.py), time-based,
+    # in the 2 x 192 shape that won the sweep at 300 s (nanoGPT's: 4 x 128, 4 heads); on a GPU its baby GPT
     "gpt": {"cpu": dict(d_model=192, n_layer=2, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
 
-# Set at start-up (RANK and WORLD by torchrun), read by log, get_batch and loss_fn
-RANK, WORLD, VOCAB_SIZE = 0, 1, None
+# The same on every device, for every architecture
+COMMON = dict(seed=1337, weight_decay=0.1, grad_clip=1.0, log_interval=10, patience=0, temperature=0.8, num_chars=500)
+DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
+
+
+def parse_args(argv=None):
+    """The command line: a flag per setting above (--d-model sets d_model; --help lists them), None
+    where left out, until fill_defaults gives it its default."""
+    parser = build_parser()  # the flags and their help texts, in the plumbing
+    args = parser.parse_args(argv)
+    args.given = flags_given(parser, argv, args)  # --resume takes every other flag from last.pt
+    return args
+
+
+def fill_defaults(args, device):
+    """Every flag left out takes its default for the device and the architecture."""
+    args.arch = args.arch or "mamba"
+    defaults = {**COMMON, **DEFAULTS[device.type], **ARCH_DEFAULTS[args.arch].get(device.type, {})}
+    if args.max_iters is not None:
+        defaults["max_time"] = None  # asking for iterations makes the run iteration-based
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.max_time is not None:
+        args.max_iters = None  # a time-based run: the budget alone says when to stop
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.max_iters
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if args.dtype is None:
+        args.dtype = default_dtype(device, args.arch)
+    check_flags(args)  # a flag that does not apply, or a number out of range, ends the run at once
+
+
+def default_dtype(device, arch):
+    """--dtype's default: bf16 where the GPU computes in it (Ampere and later), fp16 with loss scaling
+    on older GPUs (T4, V100 emulate bf16, slowly); on a CPU with bf16 instructions bf16 for Mamba
+    (raced at 300 s against fp32: the same loss, see --help), else fp32."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    return "bf16" if device.type == "cpu" and arch == "mamba" and cpu_computes_in_bf16() else "fp32"
 
 
 # ------------------------------------------------------------------------------------------------
 # Data
 # ------------------------------------------------------------------------------------------------
+# Set at start-up by torchrun: which process this is, of how many
+RANK, WORLD = 0, 1
+
 
 def get_batch(split, step, args, device):
     """Random windows, a function of (seed, rank, step) alone: a resumed run sees the batches the
@@ -108,10 +133,11 @@ def windows(split, starts, block_size, device):
 # ------------------------------------------------------------------------------------------------
 
 def model_kwargs(args, vocab_size):
+    """The config fields of --arch's model, e.g. MambaConfig(**model_kwargs(args, 65))."""
     kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
     if args.arch == "mamba":
         kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
-                  recompute=args.recompute)
+                  chunk_size=args.chunk_size or MambaConfig.chunk_size, recompute=args.recompute)
     elif args.arch == "mamba2":
         # chunks of 64: the official 256 would pad a 64-character block four times over
         kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
@@ -152,17 +178,17 @@ def lr_at(args, step, elapsed):
 # The loss and one training step
 # ------------------------------------------------------------------------------------------------
 
-def loss_fn(model, x, y, autocast):
+def loss_fn(model, x, y, vocab_size, autocast):
     with autocast:
         logits = model(x)  # (b, L, padded vocab)
-    logits = logits[..., :VOCAB_SIZE].float()  # entries past the vocabulary are padding
+    logits = logits[..., :vocab_size].float()  # entries past the vocabulary are padding
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def train_step(model, optimizer, x, y, args, autocast, scaler=None):
+def train_step(model, optimizer, x, y, vocab_size, args, autocast, scaler=None):
     """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
     scaler: --dtype fp16's GradScaler (see precision), or None."""
-    loss = loss_fn(model, x, y, autocast)
+    loss = loss_fn(model, x, y, vocab_size, autocast)
     optimizer.zero_grad(set_to_none=True)
     if scaler is None:
         loss.backward()
@@ -184,14 +210,14 @@ def train_step(model, optimizer, x, y, args, autocast, scaler=None):
 # ------------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def mean_loss(model, split, starts, args, device, autocast):
+def mean_loss(model, split, starts, vocab_size, args, device, autocast):
     """Mean loss over fixed windows, split across processes and averaged."""
     model.eval()
     mine = starts[RANK::WORLD]
     loss_sum = torch.zeros((), device=device)
     for i in range(0, len(mine), args.batch_size):
         x, y = windows(split, mine[i:i + args.batch_size], args.block_size, device)
-        loss_sum += loss_fn(model, x, y, autocast) * len(x)
+        loss_sum += loss_fn(model, x, y, vocab_size, autocast) * len(x)
     total = torch.stack([loss_sum, torch.tensor(float(len(mine)), device=device)])  # (sum of losses, count)
     if WORLD > 1:
         dist.all_reduce(total)
@@ -225,7 +251,6 @@ class Run:
     """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
 
     def __init__(self, args, device, ddp, ckpt=None):
-        global VOCAB_SIZE
         self.args, self.device, self.ddp = args, device, ddp
         self.last_path = os.path.join(args.out_dir, "last.pt")
         self.best_path = os.path.join(args.out_dir, "best.pt")
@@ -234,7 +259,7 @@ class Run:
         # ---------------------------------------------------------------- data
         text = read_text(args.data)  # --data, or Tiny Shakespeare (downloaded if missing)
         self.chars = "".join(sorted(set(text)))
-        VOCAB_SIZE = len(self.chars)
+        self.vocab_size = len(self.chars)
         stoi = {c: i for i, c in enumerate(self.chars)}
         data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
         n_train = int(0.9 * len(data))
@@ -247,25 +272,28 @@ class Run:
         self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
 
         # ---------------------------------------------------------------- model and optimizer
-        self.raw_model = build_model(args.arch, model_kwargs(args, VOCAB_SIZE)).to(device)
+        self.raw_model = build_model(args.arch, model_kwargs(args, self.vocab_size)).to(device)
         # fused: AdamW's update as fused kernels, not op by op
         self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
                                            betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
+        # torch.autocast(device.type, the --dtype), and for fp16 a GradScaler
         self.autocast, self.scaler = precision(device, args.dtype)
 
         # ---------------------------------------------------------------- fresh start or resume
         self.p = Progress()  # step, elapsed time, best val loss, ...: what a checkpoint saves
         start_or_resume(self, ckpt)
         n_params = sum(p.numel() for p in self.raw_model.parameters())
-        log(f"{n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}, {len(self.train_data):,} train / "
+        log(f"{n_params / 1e6:.2f}M parameters, vocab {self.vocab_size}, {len(self.train_data):,} train / "
             f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
             f"{torch.get_num_threads()} thread(s), {args.dtype}")
-        self.model = wrap(self.raw_model, args.compile_model, ddp, device)
+        self.model = wrap(self.raw_model, args.compile_model, ddp, device)  # compiled, DDP: as asked
 
     def evaluate(self):
         args, p = self.args, self.p
-        train_loss = mean_loss(self.model, self.train_data, self.train_starts, args, self.device, self.autocast)
-        val_loss = mean_loss(self.model, self.val_data, self.val_starts, args, self.device, self.autocast)
+        train_loss = mean_loss(self.model, self.train_data, self.train_starts, self.vocab_size, args, self.device,
+                               self.autocast)
+        val_loss = mean_loss(self.model, self.val_data, self.val_starts, self.vocab_size, args, self.device,
+                             self.autocast)
         exit_if_diverged(val_loss, p.step, args)
         improved = val_loss < p.best_val
         p.best_val = min(p.best_val, val_loss)
@@ -283,12 +311,12 @@ class Run:
     def train(self):
         args, p = self.args, self.p
         tokens_per_step = args.batch_size * args.block_size * WORLD
-        if args.compile or args.compile_model:
-            log("compiling: the first step takes a while (tens of seconds on a CPU) ...")
         self.model.train()
         t_start = t_last = clock()
         step_at_last = step_at_start = p.step
         elapsed_before = p.elapsed
+        if args.compile or args.compile_model:
+            compile_now(self)  # or, where no compiler works, go on eagerly
         if p.stopped_early:
             log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
         while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
@@ -297,10 +325,7 @@ class Run:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             x, y = get_batch(self.train_data, p.step, args, self.device)
-            try:
-                loss = train_step(self.model, self.optimizer, x, y, args, self.autocast, self.scaler)
-            except Exception as err:  # the compiler runs at the first step: is there a working one?
-                loss = train_eagerly_after(err, self, x, y, first_step=p.step == step_at_start)
+            loss = train_step(self.model, self.optimizer, x, y, self.vocab_size, args, self.autocast, self.scaler)
             p.step += 1
             p.tokens += tokens_per_step
             now = clock()  # the only clock reading of the step
@@ -327,16 +352,14 @@ class Run:
         args = self.args
         if WORLD > 1:
             dist.barrier()  # rank 0 has finished writing best.pt
-        self.raw_model.load_state_dict(load_checkpoint(self.best_path)["model"])  # this run's (see start_or_resume)
+        self.raw_model.load_state_dict(load_best(self)["model"])  # this run's (see start_or_resume)
         starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
         # eager, even after --compile: the last, smaller batch would cost a compile of its own
         set_compiled(self.raw_model, False)
-        full_val = mean_loss(self.raw_model, self.val_data, starts, args, self.device, self.autocast)
+        full_val = mean_loss(self.raw_model, self.val_data, starts, self.vocab_size, args, self.device, self.autocast)
         log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
             f"loss {full_val:.4f} (best checkpoint)")
-        if self.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
-            log(f"peak GPU memory {torch.cuda.max_memory_allocated(self.device) / 2**30:.2f} GiB "
-                f"(torch.cuda.max_memory_allocated, --dtype {args.dtype})")
+        log_peak_memory(self)
         if RANK == 0:
             append_log(self, full_val_loss=full_val)
             if not args.no_sample:
@@ -369,13 +392,12 @@ def main(argv=None):
 
 # ================================================================================================
 # Plumbing. The training script ends above; what follows makes a run safe to use and to resume:
-# reading and checking the text, building a model by name, the command line and its checks, the
-# device and precision, the clock and the log, atomic checkpoints, exact resumption, and several
-# processes under torchrun.
+# reading and checking the text, building a model by name, the checks of the command line, the
+# device and precision, compiling, the clock and the log, atomic checkpoints, exact resumption,
+# and several processes under torchrun.
 # ================================================================================================
 
 DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 
 
 def read_text(path):
@@ -389,9 +411,10 @@ def read_text(path):
                 try:
                     with urllib.request.urlopen(DATA_URL, timeout=30) as r:
                         data = r.read()
-                except OSError as err:
-                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nDownload it by hand to "
-                             f"{path}, or pass any UTF-8 text file with --data PATH.")
+                except OSError as err:  # no network: data/ is git-ignored, so a copied checkout lacks the file
+                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nWithout a network, copy "
+                             f"Tiny Shakespeare (or any UTF-8 text) to {os.path.abspath(path)}, or pass "
+                             f"--data PATH.")
                 tmp = path + ".part"
                 with open(tmp, "wb") as f:
                     f.write(data)
@@ -415,8 +438,11 @@ def read_text(path):
                  f"{err.start}); convert it, e.g. with iconv -t UTF-8")
 
 
+# model flags that only some architectures have
 ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
-              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",)}  # model flags that only some archs have
+              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",),
+              "chunk_size": ("mamba",), "recompute": ("mamba",)}
+FUSED_FLAGS = ("chunk_size", "recompute")  # mamba: flags of the fused path (--compile or --scan-backend fused)
 
 
 def arch_classes(arch):
@@ -456,75 +482,66 @@ def set_compiled(model, value):
             setattr(model.cfg, field, value)
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The command line's flags, one per setting (--d-model sets d_model), and their help texts."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", help=f"a UTF-8 text file (default: {DEFAULT_DATA}, downloaded if missing)")
+    p.add_argument("--data", help=f"a UTF-8 text file (default {DEFAULT_DATA}, downloaded if missing)")
     p.add_argument("--out-dir", default="out", help="where checkpoints and log.jsonl go")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int)
     m = p.add_argument_group("model (defaults depend on the device and the architecture)")
-    m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"],
-                   help="mamba (default), mamba2 (SSD, mamba2_minimal.py), mamba3 (mamba3_minimal.py) or gpt "
-                        "(the yardstick, gpt_minimal.py); "
-                        "--resume and --sample read it from the checkpoint")
+    m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"], help="mamba (default), mamba2, mamba3, "
+                   "or gpt (the yardstick); --resume and --sample read it from the checkpoint")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
     m.add_argument("--d-state", type=int, help="mamba, mamba2, mamba3: the SSM state size N")
     m.add_argument("--headdim", type=int, help="mamba2, mamba3: channels per head")
     m.add_argument("--mimo-rank", type=int, help="mamba3: MIMO of this rank R (default: SISO)")
     m.add_argument("--n-head", type=int, help="gpt: attention heads")
-    m.add_argument("--scan-backend", choices=SCAN_BACKENDS)
-    m.add_argument("--compile", action="store_true",
-                   help="mamba: run the selective scan through the fused path, compiled (it pays at "
-                        "--d-state 16; at the CPU default's N = 2 the eager path is faster); mamba2: "
-                        "torch.compile each mixer")
-    m.add_argument("--compile-model", action="store_true",
-                   help="also torch.compile the whole model (on a CPU: minutes of compiling, no faster here)")
-    m.add_argument("--no-recompute", dest="recompute", action="store_false",
-                   help="the fused path: plain autograd instead of the recomputing backward (more memory)")
+    m.add_argument("--scan-backend", choices=SCAN_BACKENDS, help="mamba: how the selective scan runs")
+    m.add_argument("--compile", action="store_true", help="mamba: the scan's fused path, compiled (it pays at "
+                   "--d-state 16, not at the CPU default's 2); mamba2: torch.compile each mixer")
+    m.add_argument("--chunk-size", type=int, help="mamba, fused path: steps per chunk (default 16)")
+    m.add_argument("--no-recompute", dest="recompute", action="store_false", help="mamba, fused path: plain "
+                   "autograd, not the recomputing backward (more memory)")
+    m.add_argument("--compile-model", action="store_true", help="torch.compile the whole model")
     t = p.add_argument_group("training (defaults depend on the device)")
     t.add_argument("--block-size", type=int)
     t.add_argument("--batch-size", type=int, help="per process")
     t.add_argument("--max-iters", type=int, help="train this many steps (iteration-based run)")
-    t.add_argument("--max-time", type=float, metavar="SECONDS",
-                   help="train for this many seconds instead, compiling and evaluating included (time-based run)")
+    t.add_argument("--max-time", type=float, help="or this many seconds, compiling and evaluating included")
     t.add_argument("--lr", type=float, help="peak learning rate")
     t.add_argument("--min-lr", type=float, help="final learning rate (default lr / 10)")
     t.add_argument("--warmup-iters", type=int, help="steps of linear warmup (time-based runs too)")
-    t.add_argument("--lr-decay-iters", type=int, help="iteration-based runs: length of the cosine decay (default max-iters)")
+    t.add_argument("--lr-decay-iters", type=int, help="iteration-based: steps of the cosine (default max-iters)")
     t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--eval-interval", type=int, help="iteration-based runs: steps between evaluations")
-    t.add_argument("--num-evals", type=int, help="time-based runs: evaluations, at equal fractions of the budget")
+    t.add_argument("--weight-decay", type=float)
+    t.add_argument("--grad-clip", type=float)
+    t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations")
+    t.add_argument("--num-evals", type=int, help="time-based: evaluations, at equal fractions of the budget")
     t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
-    t.add_argument("--log-interval", type=int, default=10)
-    t.add_argument("--patience", type=int, default=0, help="stop after this many evals without improvement (0: never)")
-    t.add_argument("--dtype", choices=list(AUTOCAST_DTYPES),
-                   help="the precision of the matmuls, through torch.autocast (default: bf16 on a GPU that computes "
-                        "in it, fp16 with loss scaling on older GPUs, fp32 on a CPU or MPS); the weights, the "
-                        "optimizer and the SSM state stay fp32")
-    t.add_argument("--resume", action="store_true",
-                   help="continue from <out-dir>/last.pt with the flags saved there; a flag given again "
-                        "applies, and a note lists what it changes (a model flag that changes the model, or "
-                        "a switch between a time-based and an iteration-based run, is refused). A run that "
-                        "ended (its budget spent, or stopped early) stays ended")
+    t.add_argument("--log-interval", type=int)
+    t.add_argument("--patience", type=int, help="stop after this many evals without improvement (0: never)")
+    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help=DTYPE_HELP)
+    t.add_argument("--resume", action="store_true", help="continue <out-dir>/last.pt with its flags (one given "
+                   "again applies); on a CPU the log equals an uninterrupted run's but for 'elapsed'")
     t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
     s.add_argument("--checkpoint", help="checkpoint to sample from (default <out-dir>/best.pt)")
-    s.add_argument("--prompt", help="the text to continue (default: a newline, or the text's first character "
-                                    "in sorted order if it has no newline)")
-    s.add_argument("--num-chars", type=int, default=500)
-    s.add_argument("--temperature", type=float, default=0.8)
-    s.add_argument("--top-k", type=int, default=None)
-    args = p.parse_args(argv)
-    # which flags the command line gave: argparse fills in a default only where the namespace
-    # lacks the attribute (--resume takes every other flag from the checkpoint)
+    s.add_argument("--prompt", help="the text to continue (default: a newline, or the text's first character)")
+    s.add_argument("--num-chars", type=int)
+    s.add_argument("--temperature", type=float)
+    s.add_argument("--top-k", type=int)
+    return p
+
+
+def flags_given(parser, argv, args):
+    """The flags the command line gave, by name: argparse fills in a default only where the
+    namespace lacks the attribute, so a second parse into a namespace of sentinels tells them apart."""
     unset = object()
-    seen = p.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
-    args.given = sorted(k for k, v in vars(seen).items() if v is not unset)
-    return args
+    seen = parser.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
+    return sorted(k for k, v in vars(seen).items() if v is not unset)
 
 
 def pick_device(name):
@@ -548,15 +565,25 @@ def pick_device(name):
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+DTYPE_HELP = ("the precision of the matmuls, through torch.autocast; the weights, the optimizer and the SSM "
+              "state stay fp32. Default: bf16 on a GPU that computes in it, fp16 with loss scaling on older "
+              "GPUs (fp16 is meant for those GPUs); on a CPU, bf16 for --arch mamba "
+              "where the CPU has bf16 instructions (AVX-512-BF16 or AMX-BF16), else fp32. Raced on a 2-core Intel "
+              "Xeon VM with AVX-512-BF16 and AMX (busy), `python bench.py race --racers mamba_fp32,mamba_bf16 "
+              "--max-time 300 --together`, four pairs: fp32 437, 151, 136, 331 steps, best val 1.7605, 1.9226, "
+              "1.9420, 1.7970; bf16 428, 152, 139, 329 steps, 1.7630, 1.9217, 1.9379, 1.7940 (RESULTS.md)")
 
 
-def default_dtype(device):
-    """--dtype's default. bf16 where the GPU computes in it (Ampere and later); older GPUs (T4,
-    V100) only emulate bf16, slowly, so fp16 there, with loss scaling. fp32 off CUDA, where
-    autocast saves little."""
-    if device.type != "cuda":
-        return "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+def cpu_computes_in_bf16():
+    """Whether the CPU has bf16 instructions (x86's AVX-512-BF16 or AMX-BF16); without them bf16
+    autocast only converts to fp32 and back. torch.cpu.get_capabilities reads cpuinfo (torch 2.9
+    and later); older versions have torch.cpu._is_avx512_bf16_supported, the same check."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        found = capabilities()
+        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    older = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(older and older())
 
 
 def precision(device, dtype):
@@ -580,40 +607,29 @@ TIME_FLAGS = ("max_time", "num_evals")
 
 
 def flag(key):
-    return "--" + key.replace("_", "-")
+    """The command-line name of args.key."""
+    return "--no-recompute" if key == "recompute" else "--" + key.replace("_", "-")
 
 
-def fill_defaults(args, device):
-    given = [k for k in ITERATION_FLAGS + TIME_FLAGS if getattr(args, k) is not None]
-    if args.max_iters is not None and args.max_time is not None:
+def check_flags(args):
+    """Refuse the flags that would be silently ignored: another architecture's, the fused path's
+    without it, and those of the other kind of run (time-based or iteration-based)."""
+    given = set(args.given)
+    if {"max_iters", "max_time"} <= given:
         sys.exit("error: give --max-iters (an iteration-based run) or --max-time (a time-based run), not both")
-    if args.arch is None:
-        args.arch = "mamba"
-    wrong = [k for k, archs in ARCH_FLAGS.items() if getattr(args, k) not in (None, False) and args.arch not in archs]
+    wrong = [k for k, archs in ARCH_FLAGS.items() if k in given and args.arch not in archs]
     if wrong:
         sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to --arch {args.arch}")
-    defaults = {**DEFAULTS[device.type], **ARCH_DEFAULTS[args.arch].get(device.type, {})}
-    if args.max_iters is not None:
-        defaults["max_time"] = None  # asking for iterations overrides a time-based default
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.max_time is not None:
-        args.max_iters = None  # a time-based run: the budget alone says when to stop
-    # flags of the other kind of run would be silently ignored: refuse them
+    unfused = [k for k in FUSED_FLAGS if k in given]
+    if unfused and not (args.compile or args.scan_backend in FUSED_BACKENDS):
+        sys.exit(f"error: {', '.join(flag(k) for k in unfused)} applies to the fused path only: add --compile "
+                 f"or --scan-backend fused")
     wrong = [k for k in given if k in (ITERATION_FLAGS if args.max_time is not None else TIME_FLAGS)]
     if wrong:
         kind = "a time-based (--max-time)" if args.max_time is not None else "an iteration-based (--max-iters)"
         sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to {kind} run")
-    if args.dtype is None:
-        args.dtype = default_dtype(device)
-    if args.min_lr is None:
-        args.min_lr = args.lr / 10
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.max_iters
-    if args.max_time is not None:
-        if not (math.isfinite(args.max_time) and args.max_time > 0):
-            sys.exit(f"error: --max-time must be a positive number of seconds, got {args.max_time}")
+    if args.max_time is not None and not (math.isfinite(args.max_time) and args.max_time > 0):
+        sys.exit(f"error: --max-time must be a positive number of seconds, got {args.max_time}")
     check_numbers(args)
 
 
@@ -623,8 +639,8 @@ def check_numbers(args):
         if not ok:
             sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
 
-    for key in ("d_model", "n_layer", "d_state", "headdim", "mimo_rank", "n_head", "block_size", "batch_size", "max_iters",
-                "eval_interval", "eval_iters", "log_interval", "num_evals"):
+    for key in ("d_model", "n_layer", "d_state", "headdim", "mimo_rank", "n_head", "chunk_size", "block_size",
+                "batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "num_evals"):
         value = getattr(args, key)
         need(value is None or value >= 1, key, "at least 1")
     for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
@@ -656,11 +672,17 @@ def first_line(err):
 
 
 def atomic_save(obj, path):
-    """Write to a temporary file, then rename: an interrupted save never leaves a broken file
-    (only, at worst, a stray temporary file that the next run removes)."""
+    """Write to a temporary file, then rename: an interrupted or failed save never leaves a broken
+    file, and the checkpoint saved before at path stays (a killed save leaves a stray temporary file,
+    which the next run removes)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as err:  # a full disk: torch's zip writer raises RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        sys.exit(f"error: could not write {path} (disk full?): {type(err).__name__}: {first_line(err)}")
 
 
 CHECKPOINT_KEYS = ("model", "config", "vocab")
@@ -677,10 +699,35 @@ def load_checkpoint(path):
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         sys.exit(f"error: {path} is not a checkpoint of this trainer (it lacks {missing})")
-    if ckpt.get("arch", "mamba") not in ARCH_DEFAULTS:
-        sys.exit(f"error: {path} holds an unknown architecture {ckpt['arch']!r} (this trainer builds "
+    arch = ckpt.get("arch", "mamba")
+    if not isinstance(arch, str) or arch not in ARCH_DEFAULTS:
+        sys.exit(f"error: {path} holds an unknown architecture {arch!r} (this trainer builds "
                  f"{', '.join(ARCH_DEFAULTS)})")
+    config, vocab, model = ckpt["config"], ckpt["vocab"], ckpt["model"]
+    if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
+        damaged(path, f"its config is {type(config).__name__}, not a dict of fields")
+    if not isinstance(vocab, str) or not vocab:
+        damaged(path, f"its vocab is {vocab!r}, not a string of characters")
+    if config.get("vocab_size") != len(vocab):
+        damaged(path, f"its vocab has {len(vocab)} characters, its config's vocab_size is {config.get('vocab_size')!r}")
+    if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+        damaged(path, "its model is not a dict of tensors")
     return ckpt
+
+
+def damaged(path, what):
+    sys.exit(f"error: {path} is damaged: {what}")
+
+
+def fits(value, kind):
+    """A value read from a checkpoint is of the kind a flag or a counter has (bool is not an int)."""
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def truncate_log(log_path, step):
@@ -821,18 +868,25 @@ class Progress:
 
 
 def start_processes(args):
-    """(ddp, device). Under torchrun: one process per GPU, or gloo processes on a CPU."""
+    """(ddp, device). Under torchrun: one process per GPU, process k on cuda:k (LOCAL_RANK), with
+    nccl; or gloo processes on a CPU."""
     global RANK, WORLD
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False, pick_device(args.device)
+    if args.device not in ("auto", "cpu", "cuda"):
+        sys.exit(f"error: --device {args.device} under torchrun: each process takes the GPU of its LOCAL_RANK; "
+                 f"give --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs) or --device cpu")
     RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
-    device = torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        torch.cuda.set_device(device)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local >= count:
+            sys.exit(f"error: torchrun process {local} needs cuda:{local}, and torch finds {count} cuda "
+                     f"device(s): run at most {count} process(es) per machine, or give --device cpu")
+        torch.cuda.set_device(local)
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    return True, device
+    return True, torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
 
 
 def read_last_checkpoint(args):
@@ -860,6 +914,7 @@ def resume_flags(args, saved, path):
     if not isinstance(saved, dict):
         log(f"note: {path} does not record its run's flags; the flags given and the defaults apply")
         return
+    check_saved_flags(saved, path)
     time_based = saved.get("max_time") is not None
     kind, other = (TIME_FLAGS, ITERATION_FLAGS) if time_based else (ITERATION_FLAGS, TIME_FLAGS)
     switched = [k for k in other if k in args.given and getattr(args, k) is not None]
@@ -880,6 +935,20 @@ def resume_flags(args, saved, path):
             setattr(args, key, value)  # a derived value follows its flag, if that is given again
     if changed:
         log(f"note: resuming with {', '.join(changed)}")
+
+
+def check_saved_flags(saved, path):
+    """Each flag saved in a (hand-edited) last.pt must have the type and choices of its flag."""
+    given = saved.get("given", [])
+    if not isinstance(given, (list, tuple)) or not all(isinstance(k, str) for k in given):
+        damaged(path, f"its list of given flags is {given!r}")
+    for action in build_parser()._actions:
+        value = saved.get(action.dest)
+        if action.dest == "help" or value is None:
+            continue
+        kind = bool if isinstance(action.const, bool) else action.type or str  # store_true/false: bool
+        if not fits(value, kind) or (action.choices is not None and value not in action.choices):
+            damaged(path, f"its flag {flag(action.dest)} is {value!r}")
 
 
 def start_or_resume(run, ckpt):
@@ -915,15 +984,36 @@ def resume(run, ckpt):
     if model_identity(ckpt["config"]) != model_identity(config_dict(run.raw_model)):
         sys.exit(f"error: {run.last_path} holds another model config {ckpt['config']}; "
                  f"resume with the same model flags or use a new --out-dir")
-    run.raw_model.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    torch.set_rng_state(ckpt["torch_rng"])
-    if run.scaler is not None and ckpt.get("scaler"):
-        run.scaler.load_state_dict(ckpt["scaler"])
+    wrong = [f.name for f in fields(Progress) if f.name in ckpt and not fits(ckpt[f.name], f.type)]
+    if wrong:
+        damaged(run.last_path, ", ".join(f"its {k} is {ckpt[k]!r}" for k in wrong))
+    rng = ckpt["torch_rng"]
+    if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.shape == torch.get_rng_state().shape):
+        damaged(run.last_path, "its torch_rng is not torch's random state")
+    try:
+        run.raw_model.load_state_dict(ckpt["model"])
+        run.optimizer.load_state_dict(ckpt["optimizer"])
+        if run.scaler is not None and ckpt.get("scaler"):
+            run.scaler.load_state_dict(ckpt["scaler"])
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        damaged(run.last_path, f"its weights or optimizer state do not fit its own model ({first_line(err)})")
+    torch.set_rng_state(rng)
     run.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress) if f.name in ckpt})
     if RANK == 0:
         truncate_log(run.log_path, run.p.step)
     log(f"resumed from {run.last_path} at step {run.p.step} (best val {run.p.best_val:.4f})")
+    if not os.path.exists(run.best_path):  # deleted by hand: the next evaluation writes a new one
+        log(f"note: {run.best_path} is missing; the run goes on with its best val reset to infinity, "
+            f"so that its next evaluation writes a new best.pt")
+        run.p.best_val, run.p.bad_evals = math.inf, 0
+
+
+def load_best(run):
+    """best.pt at the end of a run: missing only where deleted by hand after the last evaluation."""
+    if not os.path.exists(run.best_path):
+        sys.exit(f"error: {run.best_path} is missing, so the run has no best model to evaluate and sample "
+                 f"(its last model is in {run.last_path}: --sample --checkpoint {run.last_path})")
+    return load_checkpoint(run.best_path)
 
 
 def save_checkpoint(run, path):
@@ -954,16 +1044,33 @@ def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
     log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
 
 
-def train_eagerly_after(err, run, x, y, first_step):
-    """The first step failed: where torch.compile was asked for and no compiler works, train eagerly."""
+def compile_now(run):
+    """torch.compile compiles at a model's first calls: make them before the loop, inside one try: the
+    forward and backward of a training batch (its gradient is dropped) and a no-grad forward in
+    eval mode, as an evaluation runs it. Where no compiler works (no C++ compiler on a CPU, a GPU
+    that Triton does not support), a note, and the run trains eagerly."""
     args = run.args
-    if not first_step or not (args.compile or args.compile_model):
-        raise err
-    log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
-    args.compile = args.compile_model = False
-    set_compiled(run.raw_model, False)
-    run.model = wrap(run.raw_model, False, run.ddp, run.device)
-    return train_step(run.model, run.optimizer, x, y, args, run.autocast, run.scaler)
+    log("compiling before the first step: tens of seconds on a CPU ...")
+    x, y = get_batch(run.train_data, run.p.step, args, run.device)
+    try:
+        loss_fn(run.model, x, y, run.vocab_size, run.autocast).backward()
+        run.model.eval()
+        with torch.no_grad():
+            loss_fn(run.model, x, y, run.vocab_size, run.autocast)
+    except Exception as err:  # whatever the compiler raised: the eager model is tried next
+        log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
+        args.compile = args.compile_model = False
+        set_compiled(run.raw_model, False)
+        run.model = wrap(run.raw_model, False, run.ddp, run.device)
+    finally:
+        run.model.train()
+        run.optimizer.zero_grad(set_to_none=True)
+
+
+def log_peak_memory(run):
+    if run.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
+        log(f"peak GPU memory {torch.cuda.max_memory_allocated(run.device) / 2**30:.2f} GiB "
+            f"(torch.cuda.max_memory_allocated, --dtype {run.args.dtype})")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""README.md's code runs as written: each ```python block alone, and the trainer's commands parse."""
+
+import os
+import re
+import shlex
+import sys
+
+import pytest
+import torch
+
+import train_shakespeare as ts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# A line that names something the reader must supply (a checkpoint folder of their own) carries this
+# comment, visible in the README; the test leaves out exactly those lines.
+PLACEHOLDER = "# placeholder:"
+
+
+def readme_blocks(language):
+    text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+PYTHON_BLOCKS = readme_blocks("python")
+
+
+def test_the_readme_has_the_python_blocks_this_file_runs():
+    assert len(PYTHON_BLOCKS) >= 3
+    placeholders = [line for block in PYTHON_BLOCKS for line in block.splitlines() if PLACEHOLDER in line]
+    assert placeholders and all(".from_pretrained(" in line for line in placeholders)
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)))
+def test_a_readme_python_block_runs_alone(index, tmp_path, monkeypatch):
+    # a fresh namespace, in an empty folder, with the repository importable: what a reader who
+    # pastes the block into a file of its own gets
+    code = "\n".join(line for line in PYTHON_BLOCKS[index].splitlines() if PLACEHOLDER not in line)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [HERE] + sys.path)
+    torch.manual_seed(0)
+    exec(compile(code, f"README.md python block {index + 1}", "exec"), {"__name__": "__readme__"})
+
+
+def trainer_commands():
+    commands = []
+    for block in readme_blocks("bash"):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if "train_shakespeare.py" in words:
+                commands.append(words[words.index("train_shakespeare.py") + 1:])
+    return commands
+
+
+def test_the_readme_trainer_commands_parse_and_resolve():
+    # each one's flags exist and pass the trainer's start-up checks (on a CPU)
+    commands = trainer_commands()
+    assert [] in commands and len(commands) >= 8  # the default run is one of them
+    for argv in commands:
+        ts.fill_defaults(ts.parse_args(argv), torch.device("cpu"))
