@@ -1065,6 +1065,20 @@ def test_mamba3_trains_resumes_and_samples(text_file, tmp_path, capsys, monkeypa
         (8, 8, bool(mimo), 2 if mimo else 1)
 
 
+def test_a_mamba3_checkpoint_saved_before_the_heavy_tail_A_samples_with_softplus(text_file, tmp_path, capsys):
+    # checkpoints written before Mamba-3's A followed official main have no A_activation in their
+    # config; their weights were trained with -softplus(dd_A), and must run with it
+    out_dir = str(tmp_path / "m3")
+    run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + MAMBA3_TINY, capsys)
+    path = os.path.join(out_dir, "best.pt")
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["config"]["A_activation"] == "heavy_tail"  # what a checkpoint of today says
+    del ckpt["config"]["A_activation"]
+    torch.save(ckpt, path)
+    model, _ = ts.load_for_sampling(ts.parse_args(["--sample", "--out-dir", out_dir]), torch.device("cpu"))
+    assert model.cfg.A_activation == "softplus"
+
+
 def test_mamba3_defaults_and_its_flags():
     args = defaults_for(["--arch", "mamba3"])  # the CPU default chosen with python bench.py mamba3
     assert (args.d_state, args.headdim, args.mimo_rank, args.max_time) == (32, 64, None, 300.0)

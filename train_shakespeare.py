@@ -712,6 +712,9 @@ def load_checkpoint(path):
         damaged(path, f"its vocab has {len(vocab)} characters, its config's vocab_size is {config.get('vocab_size')!r}")
     if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
         damaged(path, "its model is not a dict of tensors")
+    if arch == "mamba3" and "A_activation" not in config:
+        # saved before Mamba-3's A followed official main: its weights were trained with softplus
+        config["A_activation"] = "softplus"
     return ckpt
 
 
