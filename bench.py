@@ -803,8 +803,17 @@ def bench_decode(args, device):
             times = [time.perf_counter() for _ in ours.generate_stream(prompt, n + 1, top_k=1)]
             return times[-1] - times[0]
 
+        def ours_compiled_decode(n):
+            times = [time.perf_counter() for _ in ours.generate_stream(prompt, n + 1, top_k=1, compile=True)]
+            return times[-1] - times[0]
+
         cands = {"ours": dict(prefill=lambda: ours.prefill(prompt), decode=ours_decode,
                               tokens=lambda n: ours.generate(prompt, n, top_k=1))}
+        if not args.no_compile:
+            t0 = time.perf_counter()
+            assert torch.equal(ours.generate(prompt, 4, top_k=1, compile=True), ours.generate(prompt, 4, top_k=1))
+            compile_note = f"compiling took {time.perf_counter() - t0:.0f} s"
+            cands["ours, compiled step"] = dict(prefill=lambda: ours.prefill(prompt), decode=ours_compiled_decode)
         hf = transformers_peer(ours, generation)
         if hf is not None:
             hf = hf.to(device)
@@ -851,11 +860,13 @@ def bench_decode(args, device):
             for name in cands:
                 p, d = rates[name]["prefill"], rates[name]["decode"]
                 rows.append([shape, n_threads, name, f"{statistics.median(p):.0f} ({min(p):.0f}-{max(p):.0f})",
-                             f"{statistics.median(d):.0f} ({min(d):.0f}-{max(d):.0f})", ""])
+                             f"{statistics.median(d):.0f} ({min(d):.0f}-{max(d):.0f})",
+                             compile_note if name == "ours, compiled step" and n_threads == threads[0] else ""])
             print(rows[-len(cands):], flush=True)
     torch.set_num_threads(args.threads or 1)
     table(f"batch 1, fp32, random weights: prefill of {prompt_len} tokens, then {n_new} greedy tokens; "
-          f"tokens/s, median (min-max) of {args.repeats} interleaved rounds",
+          f"tokens/s, median (min-max) of {args.repeats} interleaved rounds; the compiled step: "
+          f"generate(..., compile=True), its compile time apart",
           ["shape", "threads", "implementation", "prefill tokens/s", "decode tokens/s", "note"], rows)
 
 
@@ -1344,6 +1355,7 @@ def main():
     r.add_argument("--together", action="store_true",
                    help="train a run's models at the same time, one thread each (default: one after the other)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--no-compile", action="store_true", help="decode: leave out the compiled step")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
     g = p.add_argument_group("gpu (python bench.py gpu)")
     g.add_argument("--tiny", action="store_true",

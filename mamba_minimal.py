@@ -55,6 +55,7 @@ import json
 import math
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Union
 
@@ -556,26 +557,28 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        generator=None, attention_mask=None):
+                        generator=None, attention_mask=None, compile=False):
         """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps.
-        attention_mask: prompts of different lengths, left-padded (section 8)."""
+        attention_mask: prompts of different lengths, left-padded (section 8). compile: each step
+        as one torch.compile graph (decode_step, section 6), for long generations."""
         _check_generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask)
         if max_new_tokens == 0:
             return
         logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
+        step = decode_step(self, compile)
         for i in range(max_new_tokens):
-            token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
+            token = _sample(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
             yield token
             if i + 1 < max_new_tokens:
-                logits = self._step(token, cache)  # a sampled token, prefill's cache: nothing to check
+                logits = step(token, cache)  # a sampled token, prefill's cache: nothing to check
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None, attention_mask=None):
+                 generator=None, attention_mask=None, compile=False):
         """input_ids (b, L) -> (b, L + max_new_tokens); top_k=1 or temperature=0 is greedy."""
         new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator,
-                                        attention_mask))
+                                        attention_mask, compile))
         return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
 
     @classmethod
@@ -606,6 +609,10 @@ def top_k_top_p(logits, top_k=None, top_p=None):
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """logits (b, V) -> token ids (b,). Greedy for temperature 0 or top_k 1."""
     _check_sampling(temperature, top_k, top_p)
+    return _sample(logits, temperature, top_k, top_p, generator)
+
+
+def _sample(logits, temperature, top_k, top_p, generator):  # generate checked the arguments once
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
     logits = top_k_top_p(logits.float() / temperature, top_k, top_p)  # (b, V)
@@ -1135,6 +1142,43 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
     return (y, h_last) if return_last_state else y
 
 
+# The decode step, captured. A token of a small model is little arithmetic and many small ops:
+# each layer's step is some 30 to 140 of them (projections, conv buffer, discretization, gate,
+# norm), each paying the framework's dispatch, so that at d_model 128 the step costs far more
+# than its maths. The official generate captures the whole step in a CUDA graph (cg=True) and
+# replays it; decode_step(model, compile=True) does the same with torch.compile: one graph of
+# every layer's step (fullgraph, so either all of it compiles or nothing runs), the cache tensors
+# its inputs, written in place as the eager step writes them. Each new batch size or dtype
+# compiles again (tens of seconds on a CPU), so it pays off over long generations; it is opt-in
+# (generate(..., compile=True)). `python bench.py decode` measures both.
+
+_compiled_steps = weakref.WeakKeyDictionary()  # model -> its compiled step, or its eager one after a failure
+
+
+def decode_step(model, compile=False):
+    """The function generate calls once per token, (token_ids (b,), cache) -> logits (b, V):
+    model._step, or with compile the same step compiled (made once per model). If compiling
+    fails (no C++ compiler, an op the compiler lacks), one warning, then the eager step."""
+    if not compile:
+        return model._step
+    if model not in _compiled_steps:
+        compiled = torch.compile(model._step, fullgraph=True, dynamic=False)
+
+        def step(token_ids, cache):
+            if _compiled_steps[model] is not step:  # compiling failed before
+                return model._step(token_ids, cache)
+            try:
+                return compiled(token_ids, cache)
+            except Exception as err:  # fullgraph: nothing ran, the cache is untouched
+                warnings.warn(f"compiling the decode step failed, decoding eagerly instead "
+                              f"({type(err).__name__}: {str(err)[:500]})", stacklevel=2)
+                _compiled_steps[model] = model._step
+                return model._step(token_ids, cache)
+
+        _compiled_steps[model] = step
+    return _compiled_steps[model]
+
+
 # ------------------------------------------------------------------------------------------------
 # 7. Loading checkpoints
 # ------------------------------------------------------------------------------------------------
@@ -1535,7 +1579,8 @@ def seq_idx_from_cu_seqlens(cu_seqlens):
     """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
     total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
+            or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool \
+            or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
                          f"increasing, got {cu_seqlens!r}")
     lengths = cu_seqlens.diff()  # (n,)

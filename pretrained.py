@@ -107,7 +107,7 @@ def generate(args, model, tokenizer, device):
     new, shown, t0, t_first = [], "", time.perf_counter(), None
     print(args.prompt, end="", flush=True)
     for token in model.generate_stream(ids, args.max_new_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p):
+                                       top_k=args.top_k, top_p=args.top_p, compile=args.compile):
         t_first = t_first or time.perf_counter()
         if token.item() == eos:
             break
@@ -167,6 +167,8 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=1024, help="score: tokens per forward pass")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                    help="the weights' dtype (bf16 halves the memory; A_log, D and the like stay fp32)")
+    p.add_argument("--compile", action="store_true",
+                   help="generate: compile the decode step (tens of seconds first, then faster per token)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
