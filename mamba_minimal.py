@@ -1479,7 +1479,7 @@ def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_
 
 # fields of the official MambaConfig (config_mamba.py); the rest of ours are the mixer's or runtime options
 _OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
-                        "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings")
+                        "rms_norm", "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings")
 # how to run, not what the model is (Mamba-2's and Mamba-3's chunk_size are mixer fields: saved)
 _RUNTIME_FIELDS = {"scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer"}
 

@@ -104,6 +104,9 @@ def generate(args, model, tokenizer, device):
     ids = encode(tokenizer, args.prompt, model, device)
     torch.manual_seed(args.seed)
     eos = tokenizer.eos_token_id
+    prompt = ids[0].tolist()
+    # decoded with the prompt, then cut: a tokenizer may join a word to the one before it
+    prefix = tokenizer.decode(prompt, skip_special_tokens=True)
     new, shown, t0, t_first = [], "", time.perf_counter(), None
     print(args.prompt, end="", flush=True)
     for token in model.generate_stream(ids, args.max_new_tokens, temperature=args.temperature,
@@ -112,11 +115,11 @@ def generate(args, model, tokenizer, device):
         if token.item() == eos:
             break
         new.append(token.item())
-        text = tokenizer.decode(new)
+        text = tokenizer.decode(prompt + new, skip_special_tokens=True)[len(prefix):]
         if not text.endswith("\ufffd"):  # a character whose bytes are not all out yet
             print(text[len(shown):], end="", flush=True)
             shown = text
-    print(tokenizer.decode(new)[len(shown):])
+    print(tokenizer.decode(prompt + new, skip_special_tokens=True)[len(prefix) + len(shown):])
     t_end = time.perf_counter()
     steps = f"; {len(new) - 1} more in {t_end - t_first:.2f} s ({(t_end - t_first) / (len(new) - 1) * 1e3:.1f} " \
             f"ms/token)" if len(new) > 1 else ""

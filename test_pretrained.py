@@ -344,7 +344,7 @@ class CharTokenizer:
     def __call__(self, text):
         return {"input_ids": [26 if c == " " else ord(c) - ord("a") for c in text]}
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
         return "".join(" " if i == 26 else "#" if i >= 27 else chr(ord("a") + i) for i in ids)
 
 
@@ -429,3 +429,25 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, monkeypatch, cap
     tiny(1).save_pretrained(tmp_path)
     with pytest.raises(SystemExit, match=f"gives id 1001, and the model has {VOCAB} tokens"):
         pretrained.main(["generate", str(tmp_path), "--prompt", "a"])
+
+
+def test_a_real_transformers_tokenizer_saved_with_the_checkpoint_runs_end_to_end(tmp_path, capsys):
+    # transformers' AutoTokenizer reads the folder's own tokenizer (as a -hf checkpoint ships it)
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    model = tiny(3)
+    model.save_pretrained(tmp_path)
+    fast.save_pretrained(tmp_path)
+    pretrained.main(["generate", str(tmp_path), "--prompt", "w3 w4 w5", "--max-new-tokens", "6", "--temperature", "0"])
+    out = capsys.readouterr().out
+    new = model.generate(torch.tensor([[5, 6, 7]]), 6, top_k=1)[0, 3:].tolist()
+    new = new[:new.index(0)] if 0 in new else new
+    assert out.split() == ["w3", "w4", "w5"] + [words[i] for i in new if i > 1]  # <unk> is special: not shown
+    (tmp_path / "text.txt").write_text("w1 w2 w3 w9 w9 w2")
+    pretrained.main(["score", str(tmp_path), "--text", str(tmp_path / "text.txt")])
+    assert capsys.readouterr().out.startswith("6 tokens, mean loss ")
