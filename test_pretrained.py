@@ -200,6 +200,9 @@ def test_the_meta_device_loader_gives_a_usable_model(tmp_path, generation):
     model.save_pretrained(tmp_path)
     loaded = CLASSES[generation].from_pretrained(tmp_path).train()
     assert all(p.requires_grad and p.device.type == "cpu" for p in loaded.parameters())
+    # one Parameter for the tied pair: two over one storage would each get an optimizer state
+    assert loaded.lm_head.weight is loaded.backbone.embedding.weight
+    assert len(list(loaded.parameters())) == len(list(model.parameters()))
     loss = F.cross_entropy(loaded(ids()).flatten(0, 1), ids(seed=2).flatten())
     loss.backward()
     assert all(p.grad is not None for p in loaded.parameters())
