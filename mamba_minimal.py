@@ -19,8 +19,8 @@ models (attention layers and MLPs among the mixers, for every generation).
     3. The block                        MambaConfig, RMSNorm, the causal conv, the mixer (Mamba.forward, mamba_inner_ref)
     4. The language model               residual blocks, the LM, its init, weight decay (MambaLMHeadModel)
     5. Recurrent inference (in MambaLM) prefill, an O(1) step per token, sampling, generate (Mamba.step)
-    6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan()
-    7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
+    6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan(), decode_step()
+    7. Loading checkpoints              from_pretrained(), save_pretrained(): the official and the transformers layouts
     8. Using a model for real           caches, packed sequences, padding: what forward's options do
     9. Hybrid models                    attention layers (rotary, GQA, a KV cache), MLPs, LayerNorm (MHA, GatedMLP)
    10. Appendix: input checks
@@ -1186,7 +1186,10 @@ def decode_step(model, compile=False):
 # pad_vocab_size_multiple, ...; weights in pytorch_model.bin under our key names.
 # transformers (state-spaces/mamba-130m-hf ...): config.json with hidden_size, num_hidden_layers,
 # state_size, ...; weights under the same names except backbone.embeddings.*, often as
-# model.safetensors, which may leave out the tied lm_head.weight.
+# model.safetensors, which may leave out the tied lm_head.weight. Larger checkpoints come in shards
+# that an index.json lists. In order: config.json -> a config; the folder (or hub repository) ->
+# one dict of tensors; a model built without memory for its parameters -> those tensors assigned
+# to it; and save_pretrained, which writes the official layout back.
 
 _HF_FIELDS = {  # transformers name -> MambaConfig name
     "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
