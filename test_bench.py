@@ -125,6 +125,6 @@ def test_bench_decode_builds_transformers_twins_that_generate_the_same_tokens(ca
                                  do_sample=False)
             torch.testing.assert_close(hf(prompt).logits, ours(prompt), atol=1e-4, rtol=1e-4)
         assert torch.equal(ours.generate(prompt, 6, top_k=1), theirs)
-    args = argparse.Namespace(quick=True, repeats=1, threads=1, no_compile=True)
+    args = argparse.Namespace(quick=True, repeats=1, threads=1, no_compile=True, shapes=None)
     bench.bench_decode(args, torch.device("cpu"))
     assert "| mamba3 128 x 7, d_state 32 |       1 |           ours |" in capsys.readouterr().out
