@@ -736,8 +736,8 @@ class Mamba3LM(mm.MambaLM):
 
     def save_pretrained(self, folder, safe_serialization=None):
         """Write config.json (ssm_cfg.layer "Mamba3") and the weights in the official layout; see section 6."""
-        return mm.save_pretrained(self, folder, mm.config_to_dict(self.cfg, "Mamba3", _OFFICIAL_SSM_FIELDS),
-                                  safe_serialization)
+        return mm.save_pretrained(self, folder, mm.config_to_dict(self.cfg, "Mamba3", _OFFICIAL_SSM_FIELDS,
+                                                                  _OUR_SSM_FIELDS), safe_serialization)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1487,10 +1487,12 @@ _OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "a
 _RUNTIME_FIELDS = {"scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer"}
 
 
-def config_to_dict(cfg, layer="Mamba1", ssm_fields=_OFFICIAL_SSM_FIELDS):
+def config_to_dict(cfg, layer="Mamba1", ssm_fields=_OFFICIAL_SSM_FIELDS, own_ssm_fields=()):
     """A config as the official config.json writes it: the official top-level fields, the mixer's
-    fields (ssm_fields) in ssm_cfg with `layer`, and any other field of ours at the top (where
-    config_from_dict reads it back) when it differs from its default. Runtime options are not saved."""
+    fields (ssm_fields) in ssm_cfg with `layer`, and, only where they differ from their defaults
+    (the official code would refuse them), our own mixer fields (own_ssm_fields) in ssm_cfg and any
+    other field of ours at the top, where config_from_dict reads them back. Runtime options are
+    not saved."""
     d = {"d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
          "ssm_cfg": {"layer": layer}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
          "residual_in_fp32": cfg.residual_in_fp32, "fused_add_norm": True,
@@ -1505,7 +1507,7 @@ def config_to_dict(cfg, layer="Mamba1", ssm_fields=_OFFICIAL_SSM_FIELDS):
                 continue  # JSON has no inf (Mamba-2's dt_limit): the default, left out, loads as itself
             d["ssm_cfg"][f.name] = value
         elif f.name not in _RUNTIME_FIELDS and value != f.default:
-            d[f.name] = value
+            (d["ssm_cfg"] if f.name in own_ssm_fields else d)[f.name] = value
     return d
 
 

@@ -153,6 +153,11 @@ def score(args, model, tokenizer, device, generation):
         raise SystemExit("error: the text must have at least 2 tokens")
     loss = mean_loss(model, ids, args.window)
     print(f"{ids.shape[1]} tokens, mean loss {loss:.4f} nats/token (perplexity {math.exp(loss):.2f})")
+    if generation == 3:  # which A the checkpoint was trained with: the wrong one scores clearly worse
+        import mamba3_minimal
+        losses = mamba3_minimal.A_variant_losses(model, ids)
+        print("mean loss with each A_activation (the config's: " + model.cfg.A_activation + "): "
+              + ", ".join(f"{variant} {value:.4f}" for variant, value in losses.items()))
 
 
 def main(argv=None):

@@ -255,6 +255,23 @@ def test_save_pretrained_round_trips_in_every_dtype(tmp_path, generation, dtype,
         assert t.dtype == torch.float32 and torch.equal(t, model.state_dict()[name].float()), name
 
 
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_a_hybrid_model_round_trips_with_its_attention_and_mlp_layers(tmp_path, generation):
+    # attention in layer 1 (GQA, partial rotary, a conv over qkv, an MLP inside), gated MLPs after
+    # every mixer: the official hybrid config.json fields, and their weights, through the meta build
+    hybrid = dict(d_intermediate=24, attn_layer_idx=[1], attn_cfg=dict(
+        num_heads=4, num_heads_kv=2, head_dim=6, rotary_emb_dim=4, d_conv=3, mlp_dim=40, causal=True))
+    model = in_dtype(tiny(generation, **hybrid), generation, torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(config) <= OFFICIAL_TOP and config["attn_layer_idx"] == [1] and config["d_intermediate"] == 24
+    loaded = CLASSES[generation].from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert asdict(loaded.cfg) == asdict(model.cfg)
+    for name, t in model.state_dict().items():
+        assert loaded.state_dict()[name].dtype == t.dtype and torch.equal(loaded.state_dict()[name], t), name
+    assert torch.equal(loaded(ids()), model(ids()))
+
+
 def test_saved_configs_keep_what_is_not_a_default(tmp_path):
     model = tiny(2, dt_limit=(0.0, 0.5), A_init_range=(2, 4), norm_epsilon=1e-4, tie_embeddings=False)
     model.save_pretrained(tmp_path)
@@ -388,6 +405,26 @@ def test_score_is_the_mean_loss_of_the_text_whatever_the_window(tmp_path, capsys
                          "--dtype", "fp32"])
         out = capsys.readouterr().out
         assert f"{token_ids.shape[1]} tokens, mean loss {expected:.4f} nats/token" in out, (window, out)
+
+
+def test_score_of_a_mamba3_checkpoint_gives_the_loss_under_each_A(tmp_path, capsys, char_tokenizer):
+    # a checkpoint trained with the March 2026 release's softplus A: the variant with the lower loss
+    # on its own text says which A it needs (mamba3_minimal.A_variant_losses)
+    model = tiny(3, A_activation="softplus").double()
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["ssm_cfg"]["A_activation"] == "softplus"
+    text = "the quick brown fox jumps over the lazy dog"
+    (tmp_path / "text.txt").write_text(text)
+    token_ids = torch.tensor([CharTokenizer()(text)["input_ids"]])
+    expected = {}
+    for variant in m3.A_ACTIVATIONS:  # the oracle: one forward per variant, log-softmax in float64
+        variant_model = CLASSES[3].from_pretrained(tmp_path, dtype=torch.float64, A_activation=variant)
+        logits = variant_model(token_ids)[0, :-1].double()
+        expected[variant] = -logits.log_softmax(-1).gather(-1, token_ids[0, 1:, None]).mean().item()
+    assert expected["heavy_tail"] != pytest.approx(expected["softplus"], abs=1e-4)
+    pretrained.main(["score", str(tmp_path), "--text", str(tmp_path / "text.txt")])
+    out = capsys.readouterr().out
+    assert "(the config's: softplus): " + ", ".join(f"{v} {expected[v]:.4f}" for v in m3.A_ACTIVATIONS) in out
 
 
 def test_a_folder_with_its_own_tokenizer_uses_it_and_the_flag_overrides(tmp_path, char_tokenizer):
