@@ -1161,6 +1161,10 @@ def decode_step(model, compile=False):
     fails (no C++ compiler, an op the compiler lacks), one warning, then the eager step."""
     if not compile:
         return model._step
+    if model.cfg.attn_layer_idx and model not in _compiled_steps:
+        # an attention layer's KV cache grows by a token per step: a new shape, a new graph, each token
+        warnings.warn("compile=True covers models without attention layers; decoding eagerly", stacklevel=3)
+        _compiled_steps[model] = model._step
     if model not in _compiled_steps:
         compiled = torch.compile(model._step, fullgraph=True, dynamic=False)
 

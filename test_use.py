@@ -590,3 +590,16 @@ def test_a_decode_step_that_fails_to_compile_runs_eagerly_after_one_warning(monk
         again = model.generate(prompt, 5, top_k=1, compile=True)
     assert len([w for w in caught if "decode step" in str(w.message)]) == 1
     assert torch.equal(out, model.generate(prompt, 5, top_k=1)) and torch.equal(again, out)
+
+
+def test_a_hybrid_model_decodes_eagerly_under_compile_with_one_warning(monkeypatch):
+    # an attention layer's KV cache grows each token: a compiled step would compile again every token
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: pytest.fail("compiled a step with a growing KV cache"))
+    torch.manual_seed(0)
+    model = perturbed(mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4, d_intermediate=8,
+                                                attn_layer_idx=[1], attn_cfg=dict(num_heads=2, causal=True))))
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    with pytest.warns(UserWarning, match="without attention layers; decoding eagerly") as caught:
+        out = model.generate(prompt, 4, top_k=1, compile=True)
+        model.generate(prompt, 4, top_k=1, compile=True)
+    assert len(caught) == 1 and torch.equal(out, model.generate(prompt, 4, top_k=1))
