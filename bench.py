@@ -10,6 +10,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py race --max-time 300 --runs 2  # GPT vs default Mamba, whole trainings at equal time
     python bench.py sweep --max-time 300 [--round 2|3|4]  # the grid that chose both models' CPU defaults
     python bench.py generate      # cost per generated token at position 16 vs 4096
+    python bench.py decode        # prefill and decode tokens/s at the official checkpoints' shapes, beside transformers
     python bench.py mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
     python bench.py mamba2_train  # one training step of Mamba-2 candidates, Mamba-1 and the GPT
     python bench.py mamba2_profile  # where that step's time goes: matmuls vs the rest (torch.profiler)
@@ -40,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import fields as dataclass_fields
 
 import torch
 
@@ -724,6 +726,155 @@ def bench_generate(args, device):
 
 
 # ------------------------------------------------------------------------------------------------
+# Decoding at the official sizes: prefill and decode tokens/s beside transformers
+# ------------------------------------------------------------------------------------------------
+# The shapes of the official checkpoints, random weights in their layout. mamba3-siso-187m's shape is
+# read off the public checkpoint (state-spaces/mamba3-siso-187m: 12 layers, 147 tensors, 186,849,600
+# parameters with the Llama 3 vocabulary of 128,256 tied): d_model 768, d_state 128, headdim 64 and a
+# gated MLP of 1536 after each mixer (d_intermediate) are the one shape that gives those counts.
+DECODE_SHAPES = {
+    "mamba-130m": (1, dict(d_model=768, n_layer=24, vocab_size=50277, d_state=16)),
+    "mamba2-130m": (2, dict(d_model=768, n_layer=24, vocab_size=50277, d_state=128, headdim=64, ngroups=1,
+                            pad_vocab_size_multiple=16)),
+    "mamba3-siso-187m": (3, dict(d_model=768, n_layer=12, vocab_size=128256, d_state=128, headdim=64,
+                                 d_intermediate=1536)),
+    "mamba3 128 x 7, d_state 32": (3, dict(d_model=128, n_layer=7, vocab_size=65, d_state=32, headdim=64)),
+}
+
+
+def decode_model(generation, kw):
+    """Our model of that generation and config (random weights), or None with the reason."""
+    import mamba2_minimal as m2
+    import mamba3_minimal as m3
+    cls, cfg_cls = {1: (mm.MambaLM, mm.MambaConfig), 2: (m2.Mamba2LM, m2.Mamba2Config),
+                    3: (m3.Mamba3LM, m3.Mamba3Config)}[generation]
+    known = {f.name for f in dataclass_fields(cfg_cls)}
+    missing = sorted(set(kw) - known)
+    if missing:
+        return None, f"{cfg_cls.__name__} has no {missing}"
+    return cls(cfg_cls(**kw)).eval(), None
+
+
+def transformers_peer(model, generation):
+    """transformers' MambaForCausalLM / Mamba2ForCausalLM with our model's config and weights, or None."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    cfg = model.cfg
+    tokens = dict(vocab_size=cfg.padded_vocab_size, tie_word_embeddings=cfg.tie_embeddings, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=None, residual_in_fp32=cfg.residual_in_fp32,
+                  layer_norm_epsilon=cfg.norm_epsilon)
+    if generation == 1:
+        hf = transformers.MambaForCausalLM(transformers.MambaConfig(
+            hidden_size=cfg.d_model, state_size=cfg.d_state, num_hidden_layers=cfg.n_layer, expand=cfg.expand,
+            conv_kernel=cfg.d_conv, time_step_rank=cfg.dt_rank, use_conv_bias=cfg.conv_bias, use_bias=cfg.bias,
+            **tokens))
+    elif generation == 2:
+        hf = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+            num_heads=cfg.nheads, head_dim=cfg.headdim, hidden_size=cfg.d_model, state_size=cfg.d_state,
+            num_hidden_layers=cfg.n_layer, n_groups=cfg.ngroups, chunk_size=cfg.chunk_size, expand=cfg.expand,
+            conv_kernel=cfg.d_conv, use_bias=cfg.bias, use_conv_bias=cfg.conv_bias, **tokens))
+    else:
+        return None
+    sd = {k.replace("backbone.embedding.", "backbone.embeddings."): v for k, v in model.state_dict().items()}
+    hf.load_state_dict(sd, strict=True)
+    return hf.float().eval()
+
+
+def bench_decode(args, device):
+    """Prefill tokens/s (a prompt of P tokens, one pass that also returns the cache) and decode
+    tokens/s (greedy generation through each one's generate, batch 1: the time from the first new
+    token to the (n+1)-th, over n) of each implementation at each shape, interleaved round by round,
+    at 1 and 2 threads."""
+    prompt_len, n_new = (16, 8) if args.quick else (128, 32)
+    threads = [1] if args.quick else [1, 2]
+    shapes = {k: v for k, v in DECODE_SHAPES.items() if (not args.quick or "x 7" in k)
+              and (not args.shapes or any(name in k for name in args.shapes.split(",")))}
+    rows = []
+    for shape, (generation, kw) in shapes.items():
+        torch.manual_seed(0)
+        ours, why = decode_model(generation, dict(kw, vocab_size=65) if args.quick else kw)
+        if ours is None and "d_intermediate" in kw:  # a model without hybrid layers: its mixers alone
+            shape = f"{shape} without its MLPs ({why})"
+            ours, why = decode_model(generation, {k: v for k, v in kw.items() if k != "d_intermediate"})
+        if ours is None:
+            rows.append([shape, "", "ours", "", "", f"not run: {why}"])
+            continue
+        ours = ours.to(device)
+        prompt = torch.randint(0, ours.cfg.vocab_size, (1, prompt_len), device=device)
+        def ours_decode(n):
+            times = [time.perf_counter() for _ in ours.generate_stream(prompt, n + 1, top_k=1)]
+            return times[-1] - times[0]
+
+        def ours_compiled_decode(n):
+            times = [time.perf_counter() for _ in ours.generate_stream(prompt, n + 1, top_k=1, compile=True)]
+            return times[-1] - times[0]
+
+        cands = {"ours": dict(prefill=lambda: ours.prefill(prompt), decode=ours_decode,
+                              tokens=lambda n: ours.generate(prompt, n, top_k=1))}
+        if not args.no_compile:
+            t0 = time.perf_counter()
+            assert torch.equal(ours.generate(prompt, 4, top_k=1, compile=True), ours.generate(prompt, 4, top_k=1))
+            compile_note = f"compiling took {time.perf_counter() - t0:.0f} s"
+            cands["ours, compiled step"] = dict(prefill=lambda: ours.prefill(prompt), decode=ours_compiled_decode)
+        hf = transformers_peer(ours, generation)
+        if hf is not None:
+            hf = hf.to(device)
+            ones = torch.ones_like(prompt)
+
+            class Clock:  # transformers' streamer interface: put() gets the prompt, then each new token
+                def __init__(self):
+                    self.times = []
+
+                def put(self, value):
+                    self.times.append(time.perf_counter())
+
+                def end(self):
+                    pass
+
+            def hf_tokens(n, streamer=None):
+                with torch.no_grad():
+                    return hf.generate(prompt, attention_mask=ones, max_new_tokens=n, min_new_tokens=n,
+                                       do_sample=False, streamer=streamer)
+
+            def hf_prefill():
+                with torch.no_grad():
+                    return hf(prompt, attention_mask=ones, use_cache=True)
+
+            def hf_decode(n):
+                clock = Clock()
+                hf_tokens(n + 1, clock)
+                return clock.times[-1] - clock.times[1]  # from the first new token to the last
+
+            cands["transformers"] = dict(prefill=hf_prefill, decode=hf_decode, tokens=hf_tokens)
+        if "transformers" in cands:  # the same weights: the same greedy tokens
+            assert torch.equal(cands["ours"]["tokens"](4), cands["transformers"]["tokens"](4))
+        for n_threads in threads:
+            torch.set_num_threads(n_threads)
+            rates = {name: {"prefill": [], "decode": []} for name in cands}
+            for c in cands.values():  # warm-up
+                c["prefill"](), c["decode"](2)
+            for _ in range(args.repeats):
+                for name, c in cands.items():
+                    t0 = time.perf_counter()
+                    c["prefill"]()
+                    rates[name]["prefill"].append(prompt_len / (time.perf_counter() - t0))
+                    rates[name]["decode"].append(n_new / c["decode"](n_new))
+            for name in cands:
+                p, d = rates[name]["prefill"], rates[name]["decode"]
+                rows.append([shape, n_threads, name, f"{statistics.median(p):.0f} ({min(p):.0f}-{max(p):.0f})",
+                             f"{statistics.median(d):.0f} ({min(d):.0f}-{max(d):.0f})",
+                             compile_note if name == "ours, compiled step" and n_threads == threads[0] else ""])
+            print(rows[-len(cands):], flush=True)
+    torch.set_num_threads(args.threads or 1)
+    table(f"batch 1, fp32, random weights: prefill of {prompt_len} tokens, then {n_new} greedy tokens; "
+          f"tokens/s, median (min-max) of {args.repeats} interleaved rounds; the compiled step: "
+          f"generate(..., compile=True), its compile time apart",
+          ["shape", "threads", "implementation", "prefill tokens/s", "decode tokens/s", "note"], rows)
+
+
+# ------------------------------------------------------------------------------------------------
 # Mamba-2: SSD against Mamba-1's selective scan, and the training step
 # ------------------------------------------------------------------------------------------------
 
@@ -1189,7 +1340,7 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, profile, race, sweep, generate, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, "
+                                           "train, profile, race, sweep, generate, decode, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, "
                                            "all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
@@ -1208,6 +1359,8 @@ def main():
     r.add_argument("--together", action="store_true",
                    help="train a run's models at the same time, one thread each (default: one after the other)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--no-compile", action="store_true", help="decode: leave out the compiled step")
+    p.add_argument("--shapes", help="decode: only the shapes whose names contain one of these (comma-separated)")
     p.add_argument("--memory-case", help=argparse.SUPPRESS)
     g = p.add_argument_group("gpu (python bench.py gpu)")
     g.add_argument("--tiny", action="store_true",
@@ -1231,7 +1384,7 @@ def main():
         p.error("gpu runs on its own: python bench.py gpu")
     device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
-              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "sweep": bench_sweep, "generate": bench_generate,
+              "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "sweep": bench_sweep, "generate": bench_generate, "decode": bench_decode,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3}
     whats = args.what or ["scan"]

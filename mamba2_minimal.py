@@ -401,6 +401,9 @@ class Mamba2Config:
             value = getattr(self, name)
             if not mm._is_positive_int(value):
                 raise ValueError(f"Mamba2Config.{name} must be a positive integer, got {value!r}")
+        for name in ("bias", "conv_bias", "tie_embeddings", "residual_in_fp32", "compile_mixer"):
+            if not isinstance(getattr(self, name), bool):  # a string such as "no" would count as true
+                raise ValueError(f"Mamba2Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.d_ssm is None:
             self.d_ssm = self.d_inner
         if not mm._is_positive_int(self.d_ssm) or self.d_ssm > self.d_inner or self.d_ssm % self.headdim:
@@ -426,8 +429,6 @@ class Mamba2Config:
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, "
                              f"got {self.scan_backend!r}")
-        if not isinstance(self.compile_mixer, bool):
-            raise ValueError(f"Mamba2Config.compile_mixer must be True or False, got {self.compile_mixer!r}")
         mm._check_hybrid_fields(self)
 
     @property
@@ -634,6 +635,11 @@ class Mamba2LM(mm.MambaLM):
         """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
 
+    def save_pretrained(self, folder, safe_serialization=None):
+        """Write config.json (ssm_cfg.layer "Mamba2") and the weights in the official layout; see section 6."""
+        return mm.save_pretrained(self, folder, mm.config_to_dict(self.cfg, "Mamba2", _OFFICIAL_SSM_FIELDS),
+                                  safe_serialization)
+
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
@@ -728,6 +734,6 @@ def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
     """Mamba-1's loader with this file's config_from_dict: the same folder and hub handling, key
     mapping (embeddings -> embedding, the re-tied head), strict checks, and A_log and D kept in
     fp32 under a half-precision dtype."""
+    mm._check_load_arguments(Mamba2Config, dtype, overrides)
     folder = mm._resolve_folder(path_or_id)
-    model = cls(config_from_dict(mm.read_config_json(folder), **overrides))
-    return mm.load_weights(model, folder, device, dtype)
+    return mm.load_weights(cls, config_from_dict(mm.read_config_json(folder), **overrides), folder, device, dtype)

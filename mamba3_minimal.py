@@ -734,6 +734,11 @@ class Mamba3LM(mm.MambaLM):
         """Load a checkpoint folder in the official layout; see section 6."""
         return load_pretrained(cls, path, device, dtype, **overrides)
 
+    def save_pretrained(self, folder, safe_serialization=None):
+        """Write config.json (ssm_cfg.layer "Mamba3") and the weights in the official layout; see section 6."""
+        return mm.save_pretrained(self, folder, mm.config_to_dict(self.cfg, "Mamba3", _OFFICIAL_SSM_FIELDS,
+                                                                  _OUR_SSM_FIELDS), safe_serialization)
+
 
 # ------------------------------------------------------------------------------------------------
 # 6. Loading checkpoints
@@ -782,14 +787,12 @@ def config_from_dict(d, **overrides):
 
 
 def load_pretrained(cls, path, device=None, dtype=None, **overrides):
-    """Mamba-1's folder reading and strict key checks (weights_only=True: a pickle that would run
-    code is refused), with this file's config_from_dict and fp32 list."""
+    """Mamba-1's loader (folder and hub handling, strict key checks, weights_only=True: a pickle that
+    would run code is refused) with this file's config_from_dict and fp32 list."""
+    mm._check_load_arguments(Mamba3Config, dtype, overrides)
     folder = mm._resolve_folder(path)
-    model = cls(config_from_dict(mm.read_config_json(folder), **overrides))
-    if dtype is not None:  # before the weights arrive, so that no fp32 stage rounds fp64 weights
-        cast_parameters(model, dtype)
-    model.load_state_dict(mm.convert_state_dict(mm._load_state_dict_file(folder), model), strict=True)
-    return model.to(device=device).eval()
+    return mm.load_weights(cls, config_from_dict(mm.read_config_json(folder), **overrides), folder, device, dtype,
+                           keep_fp32=_FP32_PARAMETERS)
 
 
 # Which A a checkpoint needs. Official main computes A with the heavy-tail activation, the March

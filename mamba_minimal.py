@@ -19,8 +19,8 @@ models (attention layers and MLPs among the mixers, for every generation).
     3. The block                        MambaConfig, RMSNorm, the causal conv, the mixer (Mamba.forward, mamba_inner_ref)
     4. The language model               residual blocks, the LM, its init, weight decay (MambaLMHeadModel)
     5. Recurrent inference (in MambaLM) prefill, an O(1) step per token, sampling, generate (Mamba.step)
-    6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan()
-    7. Loading checkpoints              from_pretrained(): the official and the transformers layouts
+    6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan(), decode_step()
+    7. Loading checkpoints              from_pretrained(), save_pretrained(): the official and the transformers layouts
     8. Using a model for real           caches, packed sequences, padding: what forward's options do
     9. Hybrid models                    attention layers (rotary, GQA, a KV cache), MLPs, LayerNorm (MHA, GatedMLP)
    10. Appendix: input checks
@@ -50,10 +50,12 @@ that file first.
 
 import contextlib
 import functools
+import importlib.util
 import json
 import math
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Union
 
@@ -555,26 +557,28 @@ class MambaLM(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        generator=None, attention_mask=None):
+                        generator=None, attention_mask=None, compile=False):
         """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps.
-        attention_mask: prompts of different lengths, left-padded (section 8)."""
+        attention_mask: prompts of different lengths, left-padded (section 8). compile: each step
+        as one torch.compile graph (decode_step, section 6), for long generations."""
         _check_generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask)
         if max_new_tokens == 0:
             return
         logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
+        step = decode_step(self, compile)
         for i in range(max_new_tokens):
-            token = sample_next(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
+            token = _sample(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
             yield token
             if i + 1 < max_new_tokens:
-                logits = self._step(token, cache)  # a sampled token, prefill's cache: nothing to check
+                logits = step(token, cache)  # a sampled token, prefill's cache: nothing to check
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                 generator=None, attention_mask=None):
+                 generator=None, attention_mask=None, compile=False):
         """input_ids (b, L) -> (b, L + max_new_tokens); top_k=1 or temperature=0 is greedy."""
         new = list(self.generate_stream(input_ids, max_new_tokens, temperature, top_k, top_p, generator,
-                                        attention_mask))
+                                        attention_mask, compile))
         return torch.cat([input_ids] + [t.unsqueeze(1) for t in new], dim=1)
 
     @classmethod
@@ -582,6 +586,10 @@ class MambaLM(nn.Module):
         """Load a checkpoint: a folder holding config.json (official or transformers fields) and
         the weights, or a hub id; section 7 gives the rules."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
+
+    def save_pretrained(self, folder, safe_serialization=None):
+        """Write config.json and the weights in the official layout, which from_pretrained reads; see section 7."""
+        return save_pretrained(self, folder, config_to_dict(self.cfg), safe_serialization)
 
 
 def top_k_top_p(logits, top_k=None, top_p=None):
@@ -601,6 +609,10 @@ def top_k_top_p(logits, top_k=None, top_p=None):
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """logits (b, V) -> token ids (b,). Greedy for temperature 0 or top_k 1."""
     _check_sampling(temperature, top_k, top_p)
+    return _sample(logits, temperature, top_k, top_p, generator)
+
+
+def _sample(logits, temperature, top_k, top_p, generator):  # generate checked the arguments once
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
     logits = top_k_top_p(logits.float() / temperature, top_k, top_p)  # (b, V)
@@ -1130,6 +1142,47 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
     return (y, h_last) if return_last_state else y
 
 
+# The decode step, captured. A token of a small model is little arithmetic and many small ops:
+# each layer's step is some 30 to 140 of them (projections, conv buffer, discretization, gate,
+# norm), each paying the framework's dispatch, so that at d_model 128 the step costs far more
+# than its maths. The official generate captures the whole step in a CUDA graph (cg=True) and
+# replays it; decode_step(model, compile=True) does the same with torch.compile: one graph of
+# every layer's step (fullgraph, so either all of it compiles or nothing runs), the cache tensors
+# its inputs, written in place as the eager step writes them. Each new batch size or dtype
+# compiles again (tens of seconds on a CPU), so it pays off over long generations; it is opt-in
+# (generate(..., compile=True)). `python bench.py decode` measures both.
+
+_compiled_steps = weakref.WeakKeyDictionary()  # model -> its compiled step, or its eager one after a failure
+
+
+def decode_step(model, compile=False):
+    """The function generate calls once per token, (token_ids (b,), cache) -> logits (b, V):
+    model._step, or with compile the same step compiled (made once per model). If compiling
+    fails (no C++ compiler, an op the compiler lacks), one warning, then the eager step."""
+    if not compile:
+        return model._step
+    if model.cfg.attn_layer_idx and model not in _compiled_steps:
+        # an attention layer's KV cache grows by a token per step: a new shape, a new graph, each token
+        warnings.warn("compile=True covers models without attention layers; decoding eagerly", stacklevel=3)
+        _compiled_steps[model] = model._step
+    if model not in _compiled_steps:
+        compiled = torch.compile(model._step, fullgraph=True, dynamic=False)
+
+        def step(token_ids, cache):
+            if _compiled_steps[model] is not step:  # compiling failed before
+                return model._step(token_ids, cache)
+            try:
+                return compiled(token_ids, cache)
+            except Exception as err:  # fullgraph: nothing ran, the cache is untouched
+                warnings.warn(f"compiling the decode step failed, decoding eagerly instead "
+                              f"({type(err).__name__}: {str(err)[:500]})", stacklevel=2)
+                _compiled_steps[model] = model._step
+                return model._step(token_ids, cache)
+
+        _compiled_steps[model] = step
+    return _compiled_steps[model]
+
+
 # ------------------------------------------------------------------------------------------------
 # 7. Loading checkpoints
 # ------------------------------------------------------------------------------------------------
@@ -1137,7 +1190,10 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
 # pad_vocab_size_multiple, ...; weights in pytorch_model.bin under our key names.
 # transformers (state-spaces/mamba-130m-hf ...): config.json with hidden_size, num_hidden_layers,
 # state_size, ...; weights under the same names except backbone.embeddings.*, often as
-# model.safetensors, which may leave out the tied lm_head.weight.
+# model.safetensors, which may leave out the tied lm_head.weight. Larger checkpoints come in shards
+# that an index.json lists. In order: config.json -> a config; the folder (or hub repository) ->
+# one dict of tensors; a model built without memory for its parameters -> those tensors assigned
+# to it; and save_pretrained, which writes the official layout back.
 
 _HF_FIELDS = {  # transformers name -> MambaConfig name
     "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
@@ -1205,31 +1261,51 @@ def _ssm_cfg(d):
     return ssm_cfg
 
 
+def _safetensors_installed():
+    return importlib.util.find_spec("safetensors") is not None
+
+
+def _weights_files(folder):
+    """The folder's weights files, in the order they are tried: model.safetensors first (as
+    transformers does) unless the safetensors package is missing and a .bin is there too."""
+    order = ["model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json"]
+    if not _safetensors_installed():
+        order = order[1:2] + order[:1] + order[3:] + order[2:3]
+    return [os.path.join(folder, name) for name in order]
+
+
 def _load_state_dict_file(folder):
-    """The folder's weights as one dict: pytorch_model.bin, model.safetensors, or the shards that
-    a model.safetensors.index.json or pytorch_model.bin.index.json lists (transformers'
+    """The folder's weights as one dict: model.safetensors, pytorch_model.bin, or the shards that a
+    model.safetensors.index.json or pytorch_model.bin.index.json lists (transformers'
     save_pretrained splits models above its max_shard_size)."""
-    for name in ("pytorch_model.bin", "model.safetensors"):
-        if os.path.exists(os.path.join(folder, name)):
-            return _read_weights(os.path.join(folder, name))
-    for name in ("pytorch_model.bin.index.json", "model.safetensors.index.json"):
-        index = os.path.join(folder, name)
-        if os.path.exists(index):
-            with open(index) as f:
-                try:
-                    shards = sorted(set(json.load(f)["weight_map"].values()))
-                except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-                    raise ValueError(f"{index} must be JSON with a weight_map of tensor names to shard "
-                                     f"files ({type(err).__name__}: {err})") from None
-            state_dict = {}
-            for shard in shards:
-                state_dict.update(_read_weights(os.path.join(folder, shard)))
-            return state_dict
-    raise FileNotFoundError(f"no pytorch_model.bin or model.safetensors (nor a sharded index.json) in {folder}")
+    for path in _weights_files(folder):
+        if os.path.islink(path) and not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist "
+                                    f"(an interrupted download? download it again)")
+        if not os.path.exists(path):
+            continue
+        if not path.endswith(".index.json"):
+            return _read_weights(path)
+        with open(path) as f:
+            try:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"{path} must be JSON with a weight_map of tensor names to shard "
+                                 f"files ({type(err).__name__}: {err})") from None
+        state_dict = {}
+        for shard in shards:
+            # a name such as ../../x would open a file outside the checkpoint
+            if not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+                raise ValueError(f"{path} lists the shard {shard!r}: shards must be file names inside {folder}")
+            state_dict.update(_read_weights(os.path.join(folder, shard)))
+        return state_dict
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (nor a sharded index.json) in {folder}")
 
 
 def _read_weights(path):
-    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor."""
+    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor. A .bin is
+    memory-mapped: its tensors are the file's pages, read from disk as they are used, so that
+    loading holds no second copy of the weights."""
     safetensors = path.endswith(".safetensors")
     if safetensors:
         try:
@@ -1237,7 +1313,15 @@ def _read_weights(path):
         except ImportError as err:
             raise ImportError(f"{path} needs the safetensors package: pip install safetensors") from err
     try:
-        state_dict = load_file(path) if safetensors else torch.load(path, map_location="cpu", weights_only=True)
+        if safetensors:
+            state_dict = load_file(path)
+        else:
+            try:
+                state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:  # the legacy (not zip) format cannot be memory-mapped
+                if "mmap" not in str(err):
+                    raise
+                state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated download, or not a plain tensor checkpoint
         raise ValueError(f"{path} could not be read as a PyTorch state dict (truncated or not a "
                          f"checkpoint?): {type(err).__name__}: {err}") from err
@@ -1269,14 +1353,33 @@ def _resolve_folder(path_or_id):
         raise FileNotFoundError(f"the folder {path_or_id} does not exist (pass a folder holding config.json "
                                 f"and the weights, or a hub id such as state-spaces/mamba-130m)")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import list_repo_files, snapshot_download
     except ImportError:
         raise FileNotFoundError(
             f"{path_or_id!r} is not a folder, and huggingface_hub is not installed to download it. "
-            f"Either `pip install huggingface_hub`, or download config.json and pytorch_model.bin "
-            f"(or model.safetensors) from https://huggingface.co/{path_or_id} into a folder and pass "
+            f"Either `pip install huggingface_hub`, or download config.json and model.safetensors "
+            f"(or pytorch_model.bin) from https://huggingface.co/{path_or_id} into a folder and pass "
             f"that folder.") from None
-    return snapshot_download(path_or_id, allow_patterns=["config.json", "*.bin", "*.safetensors"])
+    try:
+        files = list_repo_files(path_or_id)
+    except Exception:  # offline or unreachable: snapshot_download answers from the cache, or says why not
+        files = None
+    return snapshot_download(path_or_id, allow_patterns=_download_patterns(files))
+
+
+def _download_patterns(files):
+    """What to download of a repository with these files: config.json and one format of weights
+    with its index (sharded repositories list their shards in model.safetensors.index.json or
+    pytorch_model.bin.index.json), .safetensors where the repository has it and the package is
+    installed. files None (the list is unknown, offline): both formats, as the cache holds them."""
+    safetensors = ["*.safetensors", "model.safetensors.index.json"]
+    pickles = ["*.bin", "pytorch_model.bin.index.json"]
+    if files is None:
+        return ["config.json"] + safetensors + pickles
+    has_safetensors = any(f.endswith(".safetensors") for f in files)
+    has_bin = any(f.endswith(".bin") for f in files)
+    use_safetensors = has_safetensors and (_safetensors_installed() or not has_bin)
+    return ["config.json"] + (safetensors if use_safetensors else pickles)
 
 
 def convert_state_dict(state_dict, model):
@@ -1292,6 +1395,7 @@ def convert_state_dict(state_dict, model):
             raise ValueError("the config ties the embeddings, but the checkpoint's lm_head.weight differs "
                              "from backbone.embedding.weight; set tie_embeddings (tie_word_embeddings) to "
                              "false to load an untied head")
+        sd["lm_head.weight"] = sd["backbone.embedding.weight"]  # one tensor, as in the model
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
@@ -1306,9 +1410,9 @@ def convert_state_dict(state_dict, model):
 
 
 def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
+    _check_load_arguments(MambaConfig, dtype, overrides)
     folder = _resolve_folder(path_or_id)
-    model = cls(config_from_dict(read_config_json(folder), **overrides))
-    return load_weights(model, folder, device, dtype)
+    return load_weights(cls, config_from_dict(read_config_json(folder), **overrides), folder, device, dtype)
 
 
 def read_config_json(folder):
@@ -1326,18 +1430,134 @@ def read_config_json(folder):
     return d
 
 
-def load_weights(model, folder, device=None, dtype=None):
-    """Load the folder's weights into model (strict keys, either layout), then move it; shared
-    with mamba2_minimal.py, whose mixers name A_log and D the same way."""
-    model.load_state_dict(convert_state_dict(_load_state_dict_file(folder), model), strict=True)
-    model.to(device=device)
-    if dtype is not None:
-        # as the official loader: A_log and D stay fp32 under a half-precision dtype (it creates
-        # them fp32 whatever the dtype); rounding A_log to bf16 would move every decay rate
-        for name, p in model.named_parameters():
-            keep_fp32 = name.endswith(("mixer.A_log", "mixer.D")) and dtype in (torch.float16, torch.bfloat16)
-            p.data = p.data.to(torch.float32 if keep_fp32 else dtype)
-    return model.eval()
+# The model is built with its parameters on the meta device (shapes, no memory, inits that do
+# nothing) and then handed the checkpoint's tensors themselves (load_state_dict with assign=True),
+# each converted to its final dtype and device on the way. So loading a bf16 checkpoint in bf16
+# holds one copy of the weights, never an fp32 model beside it; nothing is initialized only to be
+# overwritten. Buffers (values computed at construction that no checkpoint holds) are built as usual.
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Inside, every parameter a module registers is moved to the meta device, and buffers stay
+    real (accelerate's init_empty_weights(include_buffers=False) does the same)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_log", "mixer.D")):
+    """cls(cfg) with the folder's weights (strict keys, either layout), in `dtype` on `device`.
+    dtype None: the dtypes the model is built with (fp32). Under fp16/bf16 the parameters named
+    in keep_fp32 stay fp32, as the official modules create them whatever the dtype: rounding
+    A_log to bf16 would move every decay rate. Shared with mamba2_minimal.py and mamba3_minimal.py."""
+    with _parameters_on_meta():
+        model = cls(cfg)
+    state_dict = convert_state_dict(_load_state_dict_file(folder), model)
+    built = model.state_dict()
+    converted = {}  # id -> tensor: the tied head and embedding stay one tensor
+    for name, t in state_dict.items():
+        want = built[name].dtype if dtype is None else dtype
+        if name.endswith(keep_fp32) and dtype in (torch.float16, torch.bfloat16):
+            want = torch.float32
+        if id(t) not in converted:
+            converted[id(t)] = t.to(device=device, dtype=want)  # no copy when nothing changes
+        state_dict[name] = converted[id(t)]
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if cfg.tie_embeddings:  # assign gave the head a Parameter of its own, over the same tensor
+        model.lm_head.weight = model.backbone.embedding.weight
+    return model.to(device=device).eval()  # the buffers
+
+
+# Saving: config.json in the official layout (MambaLMHeadModel's config: the model's fields at the
+# top, the mixer's in ssm_cfg with its "layer"), and the weights under the official names, as
+# model.safetensors (the tied head stored once, as transformers does) or, without the safetensors
+# package, pytorch_model.bin (both keys, one storage, as the official save_pretrained writes).
+# Each file is written beside its final name and then renamed over it, so that an interrupted save
+# leaves the old file or the new one, never half of one.
+
+# fields of the official MambaConfig (config_mamba.py); the rest of ours are the mixer's or runtime options
+_OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
+                        "rms_norm", "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings")
+# how to run, not what the model is (Mamba-2's and Mamba-3's chunk_size are mixer fields: saved)
+_RUNTIME_FIELDS = {"scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer"}
+
+
+def config_to_dict(cfg, layer="Mamba1", ssm_fields=_OFFICIAL_SSM_FIELDS, own_ssm_fields=()):
+    """A config as the official config.json writes it: the official top-level fields, the mixer's
+    fields (ssm_fields) in ssm_cfg with `layer`, and, only where they differ from their defaults
+    (the official code would refuse them), our own mixer fields (own_ssm_fields) in ssm_cfg and any
+    other field of ours at the top, where config_from_dict reads them back. Runtime options are
+    not saved."""
+    d = {"d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
+         "ssm_cfg": {"layer": layer}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
+         "residual_in_fp32": cfg.residual_in_fp32, "fused_add_norm": True,
+         "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple, "tie_embeddings": cfg.tie_embeddings}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        value = _as_json(value)
+        if f.name in _OFFICIAL_TOP_FIELDS:
+            d[f.name] = value
+        elif f.name in ssm_fields:
+            if value == _as_json(f.default) and not math.isfinite(sum(value) if isinstance(value, list) else 0):
+                continue  # JSON has no inf (Mamba-2's dt_limit): the default, left out, loads as itself
+            d["ssm_cfg"][f.name] = value
+        elif f.name not in _RUNTIME_FIELDS and value != f.default:
+            (d["ssm_cfg"] if f.name in own_ssm_fields else d)[f.name] = value
+    return d
+
+
+def _as_json(value):
+    return list(value) if isinstance(value, tuple) else value  # JSON has lists
+
+
+def save_pretrained(model, folder, config_dict, safe_serialization=None):
+    """Write config_dict as config.json and the model's weights into folder (created if needed);
+    safe_serialization: model.safetensors (True), pytorch_model.bin (False), or None: safetensors
+    where the package is installed. Other weights files in the folder are removed first: the
+    loader would otherwise find a stale model.safetensors before a new pytorch_model.bin."""
+    if safe_serialization is None:
+        safe_serialization = _safetensors_installed()
+    os.makedirs(folder, exist_ok=True)
+    for path in _weights_files(folder):
+        if os.path.lexists(path):
+            os.remove(path)
+    state_dict = model.state_dict()
+    if safe_serialization:
+        from safetensors.torch import save_file
+        if model.cfg.tie_embeddings:
+            del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
+        _write_atomically(os.path.join(folder, "model.safetensors"),
+                          lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp,
+                                                metadata={"format": "pt"}))
+    else:
+        _write_atomically(os.path.join(folder, "pytorch_model.bin"), lambda tmp: torch.save(state_dict, tmp))
+    _write_atomically(os.path.join(folder, "config.json"), lambda tmp: _write_json(tmp, config_dict))
+    return folder
+
+
+def _write_json(path, d):
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+        f.write("\n")
+
+
+def _write_atomically(path, write):
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1368,7 +1588,8 @@ def seq_idx_from_cu_seqlens(cu_seqlens):
     """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,
     total length), increasing -> (1, total) int64, sequence i's tokens marked i."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.is_floating_point() or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
+            or cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool \
+            or cu_seqlens[0] != 0 or (cu_seqlens.diff() <= 0).any():
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor (0, end of sequence 0, ..., total), "
                          f"increasing, got {cu_seqlens!r}")
     lengths = cu_seqlens.diff()  # (n,)
@@ -1632,6 +1853,9 @@ def _check_config(cfg):
         value = getattr(cfg, name)
         if not _is_positive_int(value):
             raise ValueError(f"MambaConfig.{name} must be a positive integer, got {value!r}")
+    for name in ("conv_bias", "bias", "tie_embeddings", "residual_in_fp32", "recompute"):
+        if not isinstance(getattr(cfg, name), bool):  # a string such as "no" would count as true
+            raise ValueError(f"MambaConfig.{name} must be True or False, got {getattr(cfg, name)!r}")
     if cfg.dt_rank != "auto" and not _is_positive_int(cfg.dt_rank):
         raise ValueError(f"MambaConfig.dt_rank must be 'auto' or a positive integer, got {cfg.dt_rank!r}")
     _check_backend(cfg.scan_backend, "MambaConfig.scan_backend")
@@ -1950,3 +2174,14 @@ def _check_generate(model, input_ids, max_new_tokens, temperature, top_k, top_p,
     if max_new_tokens == 0 and attention_mask is not None:
         _check_token_ids(input_ids)
         _check_use(model, input_ids, None, None, attention_mask)
+
+
+def _check_load_arguments(cfg_cls, dtype, overrides):
+    """from_pretrained's dtype and config overrides, before any file is read."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
+                         f"got {dtype!r}")
+    unknown = sorted(set(overrides) - {f.name for f in fields(cfg_cls)})
+    if unknown:
+        raise ValueError(f"unknown {cfg_cls.__name__} fields {unknown}; the fields are "
+                         f"{[f.name for f in fields(cfg_cls)]}")

@@ -108,3 +108,23 @@ def test_a_compile_loop_row_says_when_it_fell_back_to_per_chunk_calls(monkeypatc
     monkeypatch.setattr(mm, "_compiled_loop_works", False)  # as after a failed compile of the loop
     assert "fell back" in bench.loop_label('compile="loop"', dict(compile="loop"))
     assert bench.loop_label("compiled fused", dict(compile=True)) == "compiled fused"
+
+
+def test_bench_decode_builds_transformers_twins_that_generate_the_same_tokens(capsys):
+    # bench.py decode compares speeds only after checking that both implementations, on the same
+    # weights, produce the same greedy tokens; this runs that check for Mamba-1 and Mamba-2
+    pytest.importorskip("transformers")
+    for generation, kw in ((1, dict(d_model=32, n_layer=2, vocab_size=50, d_state=4)),
+                           (2, dict(d_model=64, n_layer=2, vocab_size=50, d_state=16, headdim=32, ngroups=1))):
+        torch.manual_seed(0)
+        ours, why = bench.decode_model(generation, kw)
+        hf = bench.transformers_peer(ours, generation)
+        prompt = torch.randint(0, 50, (1, 7))
+        with torch.no_grad():
+            theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, min_new_tokens=6,
+                                 do_sample=False)
+            torch.testing.assert_close(hf(prompt).logits, ours(prompt), atol=1e-4, rtol=1e-4)
+        assert torch.equal(ours.generate(prompt, 6, top_k=1), theirs)
+    args = argparse.Namespace(quick=True, repeats=1, threads=1, no_compile=True, shapes=None)
+    bench.bench_decode(args, torch.device("cpu"))
+    assert "| mamba3 128 x 7, d_state 32 |       1 |           ours |" in capsys.readouterr().out

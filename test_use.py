@@ -316,7 +316,8 @@ def test_the_conv_never_reads_across_a_boundary():
 def test_seq_idx_from_cu_seqlens():
     got = mm.seq_idx_from_cu_seqlens(torch.tensor([0, 1, 4, 9]))
     assert torch.equal(got, torch.tensor([[0, 1, 1, 1, 2, 2, 2, 2, 2]]))
-    for bad in (torch.tensor([1, 4]), torch.tensor([0, 4, 4]), torch.tensor([0.0, 2.0]), torch.tensor([0])):
+    for bad in (torch.tensor([1, 4]), torch.tensor([0, 4, 4]), torch.tensor([0.0, 2.0]), torch.tensor([0]),
+                torch.tensor([False, True])):  # fuzz-2 N13: bool reached repeat_interleave's own error
         with pytest.raises(ValueError, match="cu_seqlens must be"):
             mm.seq_idx_from_cu_seqlens(bad)
 
@@ -542,3 +543,63 @@ def test_compiled_mamba1_fused_scan_restarts_packed_rows_forward_and_backward():
         (alone * weights[:, doc]).sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-4, rtol=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# 5. The captured decode step (decode_step with compile=True)
+# ------------------------------------------------------------------------------------------------
+
+DECODE_MODELS = ["mamba1_sequential", "mamba2", "mamba3_siso", "mamba3_mimo"]
+
+
+@pytest.mark.compile
+@pytest.mark.filterwarnings("error:compiling the decode step failed")  # the fallback would pass as eager
+@pytest.mark.parametrize("name", DECODE_MODELS)
+def test_the_compiled_decode_step_equals_the_eager_step_and_the_forward(name):
+    from torch._dynamo.utils import counters
+    model = MODELS[name]()
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    _, cache = model.prefill(prompt)
+    _, eager_cache = model.prefill(prompt)
+    step = mm.decode_step(model, compile=True)
+    assert step is mm.decode_step(model, compile=True) and step is not model._step  # compiled once per model
+    graphs = counters["stats"]["unique_graphs"]
+    for token in torch.randint(0, VOCAB, (4, 2), generator=torch.Generator().manual_seed(4)):
+        with torch.no_grad():
+            torch.testing.assert_close(step(token, cache), model._step(token, eager_cache), atol=1e-10, rtol=1e-10)
+        assert max_difference(cache, eager_cache) < 1e-10  # the cache written in place, as the eager step does
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # the whole step, one graph
+    # generate with it: the greedy tokens of one forward pass over the whole sequence
+    out = model.generate(prompt, 6, top_k=1, compile=True)
+    with torch.no_grad():
+        assert torch.equal(out[:, 5:], model(out[:, :-1])[:, 4:, :VOCAB].argmax(-1))
+    assert torch.equal(out, model.generate(prompt, 6, top_k=1))
+
+
+def test_a_decode_step_that_fails_to_compile_runs_eagerly_after_one_warning(monkeypatch):
+    def no_compiler(fn, **kw):
+        def compiled(*args):
+            raise RuntimeError("InductorError: no C++ compiler")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    model = mamba2_model()
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    with pytest.warns(UserWarning, match="compiling the decode step failed.*no C\\+\\+ compiler") as caught:
+        out = model.generate(prompt, 5, top_k=1, compile=True)
+        again = model.generate(prompt, 5, top_k=1, compile=True)
+    assert len([w for w in caught if "decode step" in str(w.message)]) == 1
+    assert torch.equal(out, model.generate(prompt, 5, top_k=1)) and torch.equal(again, out)
+
+
+def test_a_hybrid_model_decodes_eagerly_under_compile_with_one_warning(monkeypatch):
+    # an attention layer's KV cache grows each token: a compiled step would compile again every token
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: pytest.fail("compiled a step with a growing KV cache"))
+    torch.manual_seed(0)
+    model = perturbed(mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4, d_intermediate=8,
+                                                attn_layer_idx=[1], attn_cfg=dict(num_heads=2, causal=True))))
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    with pytest.warns(UserWarning, match="without attention layers; decoding eagerly") as caught:
+        out = model.generate(prompt, 4, top_k=1, compile=True)
+        model.generate(prompt, 4, top_k=1, compile=True)
+    assert len(caught) == 1 and torch.equal(out, model.generate(prompt, 4, top_k=1))

@@ -1,0 +1,493 @@
+"""Checkpoints as users meet them: hub repositories (sharded, both formats), loading in half
+precision without an fp32 copy, save_pretrained round trips in every dtype, the loader's messages,
+and pretrained.py (generate and score with a tokenizer), for the three generations."""
+
+import json
+import os
+import shutil
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mamba2_minimal as m2
+import mamba3_minimal as m3
+import mamba_minimal as mm
+import pretrained
+
+VOCAB = 29  # padded to 32 (pad_vocab_size_multiple 8): ids 29..31 are never produced
+
+
+def tiny(generation, seed=0, **kw):
+    """A tiny model of each generation, its SSM parameters moved off their init values."""
+    torch.manual_seed(seed)
+    if generation == 1:
+        model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4, **kw))
+    elif generation == 2:
+        model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8, headdim=16,
+                                            ngroups=2, chunk_size=8, **kw))
+    else:
+        model = m3.Mamba3LM(m3.Mamba3Config(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8, headdim=16,
+                                            chunk_size=8, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or name.endswith(("A_log", "bias")):
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+CLASSES = {1: mm.MambaLM, 2: m2.Mamba2LM, 3: m3.Mamba3LM}
+KEEP_FP32 = {1: ("mixer.A_log", "mixer.D"), 2: ("mixer.A_log", "mixer.D"), 3: m3._FP32_PARAMETERS}
+
+
+def in_dtype(model, generation, dtype):
+    """The model as the official loaders hold it in dtype: the fp32 list stays fp32 under fp16/bf16."""
+    for name, p in model.named_parameters():
+        keep = name.endswith(KEEP_FP32[generation]) and dtype in (torch.float16, torch.bfloat16)
+        p.data = p.data.to(torch.float32 if keep else dtype)
+    return model
+
+
+def ids(b=2, L=9, seed=1):
+    return torch.randint(0, VOCAB, (b, L), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------------
+# a hub id: what is downloaded (huggingface_hub's own file filter over a simulated repository)
+# ------------------------------------------------------------------------------------------------
+
+def shard(folder, model, fmt):
+    """The model's weights in folder as two shards and their index, as transformers writes them."""
+    sd = model.state_dict()
+    if fmt == "safetensors":
+        save = pytest.importorskip("safetensors.torch").save_file
+        del sd["lm_head.weight"]  # tied: stored once
+    else:
+        save = torch.save
+    names = sorted(sd)
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        name = f"model-0000{i + 1}-of-00002.{fmt}"
+        save({k: sd[k].clone().contiguous() for k in part}, str(folder / name))
+        weight_map.update({k: name for k in part})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def fake_hub(monkeypatch, repo, tmp_path, listing_fails=False):
+    """huggingface_hub's list_repo_files and snapshot_download, answered from the local folder repo:
+    the download copies what filter_repo_objects keeps of the repository's files."""
+    hub = pytest.importorskip("huggingface_hub")
+    from huggingface_hub.utils import filter_repo_objects
+    downloaded = []
+
+    def list_repo_files(repo_id, **kw):
+        if listing_fails:
+            raise ConnectionError("offline")
+        return sorted(os.listdir(repo))
+
+    def snapshot_download(repo_id, allow_patterns=None, **kw):
+        snapshot = tmp_path / "snapshot"
+        shutil.rmtree(snapshot, ignore_errors=True)
+        snapshot.mkdir()
+        for name in filter_repo_objects(sorted(os.listdir(repo)), allow_patterns=allow_patterns):
+            shutil.copy(repo / name, snapshot / name)
+            downloaded.append(name)
+        return str(snapshot)
+
+    monkeypatch.setattr(hub, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    return downloaded
+
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_a_sharded_hub_repository_loads_with_its_index(tmp_path, monkeypatch, generation, fmt):
+    # fuzz-2 N1: the shards came without their index.json, and the loader could not find them
+    model = tiny(generation)
+    repo = tmp_path / "repo"
+    model.save_pretrained(repo, safe_serialization=False)
+    os.remove(repo / "pytorch_model.bin")
+    shard(repo, model, fmt)
+    downloaded = fake_hub(monkeypatch, repo, tmp_path)
+    loaded = CLASSES[generation].from_pretrained("owner/sharded")
+    assert sorted(downloaded) == sorted(os.listdir(repo))
+    assert torch.equal(loaded(ids()), model(ids()))
+
+
+def test_a_hub_repository_with_both_formats_downloads_one(tmp_path, monkeypatch):
+    model = tiny(1)
+    repo = tmp_path / "repo"
+    model.save_pretrained(repo, safe_serialization=False)
+    pytest.importorskip("safetensors")
+    shutil.copy(repo / "pytorch_model.bin", tmp_path / "saved.bin")
+    model.save_pretrained(repo, safe_serialization=True)  # removes the .bin
+    shutil.copy(tmp_path / "saved.bin", repo / "pytorch_model.bin")
+    downloaded = fake_hub(monkeypatch, repo, tmp_path)
+    assert torch.equal(mm.MambaLM.from_pretrained("owner/both")(ids()), model(ids()))
+    assert sorted(downloaded) == ["config.json", "model.safetensors"]  # safetensors first, as transformers
+    # without the safetensors package: the .bin, never a file it cannot read
+    monkeypatch.setattr(mm, "_safetensors_installed", lambda: False)
+    downloaded.clear()
+    assert torch.equal(mm.MambaLM.from_pretrained("owner/both")(ids()), model(ids()))
+    assert sorted(downloaded) == ["config.json", "pytorch_model.bin"]
+    # the file list unknown (offline): both formats may come from the cache; the loader picks one
+    assert set(mm._download_patterns(None)) >= {"config.json", "*.safetensors", "*.bin",
+                                                "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+# ------------------------------------------------------------------------------------------------
+# dtype and device: no fp32 model beside a half-precision one
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_a_bf16_checkpoint_loads_in_bf16_into_the_files_own_tensors(tmp_path, monkeypatch, generation):
+    # the parameters are the tensors read from the file: no other copy of the weights was made,
+    # in particular no fp32 model that the weights were copied into
+    model = in_dtype(tiny(generation), generation, torch.bfloat16)
+    model.save_pretrained(tmp_path, safe_serialization=False)
+    read = {}
+    real_read = mm._read_weights
+    monkeypatch.setattr(mm, "_read_weights", lambda path: read.setdefault(path, real_read(path)))
+    built = []
+    real_init = mm.MambaLM._init_weights
+    monkeypatch.setattr(mm.MambaLM, "_init_weights",
+                        lambda self: built.append({p.device.type for p in self.parameters()}) or real_init(self))
+    loaded = CLASSES[generation].from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert built == [{"meta"}]  # built without memory for its parameters
+    (file_sd,) = read.values()
+    for name, p in loaded.named_parameters():
+        assert p.dtype == model.state_dict()[name].dtype, name
+        assert torch.equal(p, model.state_dict()[name]), name
+        assert p.data_ptr() == file_sd[name].data_ptr(), name
+    assert loaded.lm_head.weight is loaded.backbone.embedding.weight
+    assert len(list(loaded.parameters())) == len(file_sd) - 1  # the tied head counted once
+    assert torch.equal(loaded(ids()), model(ids()))
+
+
+class BufferMixer(mm.MambaMixer):
+    """A mixer with a value computed at construction and saved in no checkpoint, as rotary
+    frequencies are: loading must leave it as construction made it."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.register_buffer("freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+
+class BufferLM(mm.MambaLM):
+    def __init__(self, cfg):
+        super().__init__(cfg, mixer_cls=BufferMixer)
+
+
+def test_buffers_computed_at_construction_survive_loading(tmp_path):
+    model = BufferLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4))
+    model.save_pretrained(tmp_path)
+    for dtype in (None, torch.bfloat16):
+        loaded = BufferLM.from_pretrained(tmp_path, dtype=dtype)
+        for layer in loaded.backbone.layers:
+            assert layer.mixer.freq.device.type == "cpu"
+            torch.testing.assert_close(layer.mixer.freq, 1.0 / 10000 ** (torch.tensor([0.0, 2, 4, 6]) / 8),
+                                       rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_the_meta_device_loader_gives_a_usable_model(tmp_path, generation):
+    # training after loading: gradients reach every parameter once, the tied one included, and
+    # an optimizer step changes the head with the embedding
+    model = tiny(generation)
+    model.save_pretrained(tmp_path)
+    loaded = CLASSES[generation].from_pretrained(tmp_path).train()
+    assert all(p.requires_grad and p.device.type == "cpu" for p in loaded.parameters())
+    # one Parameter for the tied pair: two over one storage would each get an optimizer state
+    assert loaded.lm_head.weight is loaded.backbone.embedding.weight
+    assert len(list(loaded.parameters())) == len(list(model.parameters()))
+    loss = F.cross_entropy(loaded(ids()).flatten(0, 1), ids(seed=2).flatten())
+    loss.backward()
+    assert all(p.grad is not None for p in loaded.parameters())
+    torch.optim.SGD(loaded.parameters(), lr=0.1).step()
+    assert torch.equal(loaded.lm_head.weight, loaded.backbone.embedding.weight)
+    assert not torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+# ------------------------------------------------------------------------------------------------
+# save_pretrained: the official layout, every dtype, both formats, written atomically
+# ------------------------------------------------------------------------------------------------
+
+# The official MambaLMHeadModel config (mamba_ssm/models/config_mamba.py, official main e9594ce) and
+# the arguments of each official mixer (modules/mamba_simple.py Mamba, mamba2.py Mamba2, mamba3.py
+# Mamba3), written out: a config.json with any other key fails MambaConfig(**config) there.
+OFFICIAL_TOP = {"d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "attn_cfg",
+                "rms_norm", "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple", "tie_embeddings"}
+OFFICIAL_MIXER = {
+    1: {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init", "dt_scale", "dt_init_floor",
+        "conv_bias", "bias", "use_fast_path"},
+    2: {"d_state", "d_conv", "conv_init", "expand", "headdim", "d_ssm", "ngroups", "A_init_range", "D_has_hdim",
+        "rmsnorm", "norm_before_gate", "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias",
+        "chunk_size", "use_mem_eff_path"},
+    3: {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max", "dt_init_floor", "A_floor",
+        "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size", "dropout"},
+}
+
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("safe", [True, False])
+def test_save_pretrained_round_trips_in_every_dtype(tmp_path, generation, dtype, safe):
+    if safe:
+        pytest.importorskip("safetensors")
+    model = in_dtype(tiny(generation), generation, dtype)
+    model.save_pretrained(tmp_path, safe_serialization=safe)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors" if safe else "pytorch_model.bin"]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(config) <= OFFICIAL_TOP and config["ssm_cfg"]["layer"] == f"Mamba{generation}"
+    assert set(config["ssm_cfg"]) - {"layer"} <= OFFICIAL_MIXER[generation]
+    loaded = CLASSES[generation].from_pretrained(tmp_path, dtype=dtype)
+    assert asdict(loaded.cfg) == asdict(model.cfg)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    for name, t in model.state_dict().items():
+        got = loaded.state_dict()[name]
+        assert got.dtype == t.dtype and torch.equal(got, t), name
+    assert torch.equal(loaded(ids()), model(ids()))
+    # without a dtype: fp32, as the official loader builds its model, from the saved values
+    for name, t in CLASSES[generation].from_pretrained(tmp_path).state_dict().items():
+        assert t.dtype == torch.float32 and torch.equal(t, model.state_dict()[name].float()), name
+
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_a_hybrid_model_round_trips_with_its_attention_and_mlp_layers(tmp_path, generation):
+    # attention in layer 1 (GQA, partial rotary, a conv over qkv, an MLP inside), gated MLPs after
+    # every mixer: the official hybrid config.json fields, and their weights, through the meta build
+    hybrid = dict(d_intermediate=24, attn_layer_idx=[1], attn_cfg=dict(
+        num_heads=4, num_heads_kv=2, head_dim=6, rotary_emb_dim=4, d_conv=3, mlp_dim=40, causal=True))
+    model = in_dtype(tiny(generation, **hybrid), generation, torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert set(config) <= OFFICIAL_TOP and config["attn_layer_idx"] == [1] and config["d_intermediate"] == 24
+    loaded = CLASSES[generation].from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert asdict(loaded.cfg) == asdict(model.cfg)
+    for name, t in model.state_dict().items():
+        assert loaded.state_dict()[name].dtype == t.dtype and torch.equal(loaded.state_dict()[name], t), name
+    assert torch.equal(loaded(ids()), model(ids()))
+
+
+def test_saved_configs_keep_what_is_not_a_default(tmp_path):
+    model = tiny(2, dt_limit=(0.0, 0.5), A_init_range=(2, 4), norm_epsilon=1e-4, tie_embeddings=False)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["ssm_cfg"]["dt_limit"] == [0.0, 0.5] and config["norm_epsilon"] == 1e-4
+    assert "scan_backend" not in config and "compile_mixer" not in config  # how to run, not what it is
+    loaded = m2.Mamba2LM.from_pretrained(tmp_path)
+    assert asdict(loaded.cfg) == asdict(model.cfg)
+    assert torch.equal(loaded(ids()), model(ids()))
+    # Mamba-1's chunk_size says how the fused scan runs: not saved
+    mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, chunk_size=5)).save_pretrained(tmp_path)
+    assert "chunk_size" not in json.loads((tmp_path / "config.json").read_text())
+
+
+def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monkeypatch):
+    pytest.importorskip("safetensors")
+    old, new = tiny(1, seed=0), tiny(1, seed=1)
+    old.save_pretrained(tmp_path, safe_serialization=True)
+    new.save_pretrained(tmp_path, safe_serialization=False)
+    # a stale model.safetensors would be read before the new pytorch_model.bin
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
+    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
+
+    def torn_save(obj, path):  # half a file, then the process dies
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(KeyboardInterrupt):
+        old.save_pretrained(tmp_path, safe_serialization=False)
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]  # no half-written file under any name
+    monkeypatch.undo()
+    new.save_pretrained(tmp_path, safe_serialization=False)
+    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
+
+
+# ------------------------------------------------------------------------------------------------
+# the loader's messages (fuzz-2 N13)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_bad_dtypes_and_unknown_overrides_are_refused_by_name(tmp_path, generation):
+    tiny(generation).save_pretrained(tmp_path)
+    cls = CLASSES[generation]
+    for dtype in (torch.int64, torch.bool, "bf16"):
+        with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
+            cls.from_pretrained(tmp_path, dtype=dtype)
+    with pytest.raises(ValueError, match=r"unknown Mamba\d?Config fields \['frobnicate'\]"):
+        cls.from_pretrained(tmp_path, frobnicate=3)
+    assert cls.from_pretrained(tmp_path, scan_backend="sequential").cfg.scan_backend == "sequential"
+
+
+@pytest.mark.parametrize("generation, field", [(1, "tie_embeddings"), (1, "residual_in_fp32"), (1, "conv_bias"),
+                                               (2, "tie_embeddings"), (2, "residual_in_fp32"), (2, "bias")])
+def test_booleans_given_as_strings_are_refused(tmp_path, generation, field):
+    tiny(generation).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    where = config["ssm_cfg"] if field in config["ssm_cfg"] else config
+    where[field] = "no"  # a non-empty string: true to Python
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{field} must be True or False, got 'no'"):
+        CLASSES[generation].from_pretrained(tmp_path)
+
+
+def test_a_dangling_symlink_and_shards_outside_the_folder_are_named(tmp_path):
+    model = tiny(1)
+    model.save_pretrained(tmp_path / "ckpt", safe_serialization=False)
+    os.remove(tmp_path / "ckpt" / "pytorch_model.bin")
+    os.symlink(tmp_path / "blobs" / "gone", tmp_path / "ckpt" / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin is a symbolic link to .*gone, which does not exist"):
+        mm.MambaLM.from_pretrained(tmp_path / "ckpt")
+    os.remove(tmp_path / "ckpt" / "pytorch_model.bin")
+    torch.save(model.state_dict(), tmp_path / "outside.bin")
+    for name in ("../outside.bin", str(tmp_path / "outside.bin")):
+        (tmp_path / "ckpt" / "pytorch_model.bin.index.json").write_text(
+            json.dumps({"weight_map": {k: name for k in model.state_dict()}}))
+        with pytest.raises(ValueError, match="shards must be file names inside"):
+            mm.MambaLM.from_pretrained(tmp_path / "ckpt")
+
+
+# ------------------------------------------------------------------------------------------------
+# pretrained.py: generate and score with a tokenizer
+# ------------------------------------------------------------------------------------------------
+
+class CharTokenizer:
+    """A stand-in for transformers' tokenizers: one id per letter a..z and space, eos 28."""
+    eos_token_id = 28
+
+    def __call__(self, text):
+        return {"input_ids": [26 if c == " " else ord(c) - ord("a") for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(" " if i == 26 else "#" if i >= 27 else chr(ord("a") + i) for i in ids)
+
+
+@pytest.fixture
+def char_tokenizer(monkeypatch):
+    names = []
+    monkeypatch.setattr(pretrained, "load_tokenizer", lambda name: names.append(name) or CharTokenizer())
+    return names
+
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_generate_picks_the_generation_and_prints_the_greedy_continuation(tmp_path, capsys, char_tokenizer,
+                                                                          generation):
+    model = tiny(generation)
+    model.save_pretrained(tmp_path)
+    pretrained.main(["generate", str(tmp_path), "--prompt", "the cat", "--max-new-tokens", "12",
+                     "--temperature", "0"])
+    out = capsys.readouterr().out
+    prompt = torch.tensor([CharTokenizer()("the cat")["input_ids"]])
+    new = model.generate(prompt, 12, top_k=1)[0, 7:].tolist()
+    if CharTokenizer.eos_token_id in new:
+        new = new[:new.index(CharTokenizer.eos_token_id)]
+    assert out == "the cat" + CharTokenizer().decode(new) + "\n"
+    assert char_tokenizer == [pretrained.TOKENIZERS[generation]]
+
+
+def test_score_is_the_mean_loss_of_the_text_whatever_the_window(tmp_path, capsys, char_tokenizer):
+    model = tiny(2).double()
+    model.save_pretrained(tmp_path)
+    text = "a stitch in time saves nine and a rolling stone gathers no moss"
+    (tmp_path / "text.txt").write_text(text)
+    token_ids = torch.tensor([CharTokenizer()(text)["input_ids"]])
+    # the oracle: one pass over the whole text, log-softmax in float64, each token from those before it
+    logits = model(token_ids)[0, :-1, :VOCAB].double()
+    expected = -logits.log_softmax(-1).gather(-1, token_ids[0, 1:, None]).mean().item()
+    for window in ("1", "5", "8", "1000"):
+        pretrained.main(["score", str(tmp_path), "--text", str(tmp_path / "text.txt"), "--window", window,
+                         "--dtype", "fp32"])
+        out = capsys.readouterr().out
+        assert f"{token_ids.shape[1]} tokens, mean loss {expected:.4f} nats/token" in out, (window, out)
+
+
+def test_score_of_a_mamba3_checkpoint_gives_the_loss_under_each_A(tmp_path, capsys, char_tokenizer):
+    # a checkpoint trained with the March 2026 release's softplus A: the variant with the lower loss
+    # on its own text says which A it needs (mamba3_minimal.A_variant_losses)
+    model = tiny(3, A_activation="softplus").double()
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["ssm_cfg"]["A_activation"] == "softplus"
+    text = "the quick brown fox jumps over the lazy dog"
+    (tmp_path / "text.txt").write_text(text)
+    token_ids = torch.tensor([CharTokenizer()(text)["input_ids"]])
+    expected = {}
+    for variant in m3.A_ACTIVATIONS:  # the oracle: one forward per variant, log-softmax in float64
+        variant_model = CLASSES[3].from_pretrained(tmp_path, dtype=torch.float64, A_activation=variant)
+        logits = variant_model(token_ids)[0, :-1].double()
+        expected[variant] = -logits.log_softmax(-1).gather(-1, token_ids[0, 1:, None]).mean().item()
+    assert expected["heavy_tail"] != pytest.approx(expected["softplus"], abs=1e-4)
+    pretrained.main(["score", str(tmp_path), "--text", str(tmp_path / "text.txt")])
+    out = capsys.readouterr().out
+    assert "(the config's: softplus): " + ", ".join(f"{v} {expected[v]:.4f}" for v in m3.A_ACTIVATIONS) in out
+
+
+def test_a_folder_with_its_own_tokenizer_uses_it_and_the_flag_overrides(tmp_path, char_tokenizer):
+    tiny(1).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    pretrained.main(["generate", str(tmp_path), "--prompt", "a", "--max-new-tokens", "1"])
+    pretrained.main(["generate", str(tmp_path), "--prompt", "a", "--max-new-tokens", "1", "--tokenizer", "x/y"])
+    assert char_tokenizer == [str(tmp_path), "x/y"]
+
+
+def test_generation_of_reads_every_layout():
+    assert pretrained.generation_of({"d_model": 8, "ssm_cfg": {}}) == 1
+    assert pretrained.generation_of({"d_model": 8, "ssm_cfg": {"layer": "Mamba2"}}) == 2
+    assert pretrained.generation_of({"d_model": 8, "ssm_cfg": {"layer": "Mamba3"}}) == 3
+    assert pretrained.generation_of({"hidden_size": 8, "model_type": "mamba"}) == 1
+    assert pretrained.generation_of({"hidden_size": 8, "model_type": "mamba2"}) == 2
+    for config in ({"hidden_size": 8, "model_type": "falcon_mamba"}, {"ssm_cfg": {"layer": "Mamba4"}}):
+        with pytest.raises(ValueError):
+            pretrained.generation_of(config)
+
+
+def test_without_transformers_the_tokenizer_message_says_what_to_install(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kw):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ImportError("No module named 'transformers'")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(SystemExit, match="needs the transformers package: pip install transformers"):
+        pretrained.load_tokenizer("EleutherAI/gpt-neox-20b")
+
+
+def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, monkeypatch, capsys):
+    class Wide(CharTokenizer):
+        def __call__(self, text):
+            return {"input_ids": [1000 + len(text)]}
+
+    monkeypatch.setattr(pretrained, "load_tokenizer", lambda name: Wide())
+    tiny(1).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=f"gives id 1001, and the model has {VOCAB} tokens"):
+        pretrained.main(["generate", str(tmp_path), "--prompt", "a"])
+
+
+def test_a_real_transformers_tokenizer_saved_with_the_checkpoint_runs_end_to_end(tmp_path, capsys):
+    # transformers' AutoTokenizer reads the folder's own tokenizer (as a -hf checkpoint ships it)
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    model = tiny(3)
+    model.save_pretrained(tmp_path)
+    fast.save_pretrained(tmp_path)
+    pretrained.main(["generate", str(tmp_path), "--prompt", "w3 w4 w5", "--max-new-tokens", "6", "--temperature", "0"])
+    out = capsys.readouterr().out
+    new = model.generate(torch.tensor([[5, 6, 7]]), 6, top_k=1)[0, 3:].tolist()
+    new = new[:new.index(0)] if 0 in new else new
+    assert out.split() == ["w3", "w4", "w5"] + [words[i] for i in new if i > 1]  # <unk> is special: not shown
+    (tmp_path / "text.txt").write_text("w1 w2 w3 w9 w9 w2")
+    pretrained.main(["score", str(tmp_path), "--text", str(tmp_path / "text.txt")])
+    assert capsys.readouterr().out.startswith("6 tokens, mean loss ")
