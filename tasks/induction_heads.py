@@ -105,10 +105,10 @@ def main(argv=None):
                 + f"  ({seconds:.0f} s training, {total:.0f} s with the tests)", flush=True)
         record[arch] = runs
         rows.append((common.ARCHS[arch], {f"{n} tokens": [r["scores"][n] for r in runs] for n in lengths}))
+        common.save_results(args, "induction_heads", record)  # after each model: a stopped run keeps them
     common.print_table(f"Induction heads: last-position accuracy, mean [min, max] over {args.seeds} seeds "
                        f"(trained at {LENGTH} tokens; chance {1 / SYMBOLS:.3f}; n/a: the GPT's positions stop "
                        f"at {LENGTH})", rows, [f"{n} tokens" for n in lengths])
-    common.save_results(args, "induction_heads", record)
     figure(record, args)
 
 

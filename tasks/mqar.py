@@ -95,9 +95,9 @@ def main(argv=None):
             record.setdefault(arch, {})[d_state] = runs
             rows.append((f"{common.ARCHS[arch]}, d_state {d_state}",
                          {f"{n} pairs": [r["scores"][n] for r in runs] for n in counts}))
+            common.save_results(args, "mqar", record)  # after each row: a stopped run keeps the rows it finished
     common.print_table(f"MQAR: accuracy on the {QUERIES} queries, mean [min, max] over {args.seeds} seeds "
                        f"(trained with {PAIRS} pairs; chance {1 / VALUES:.3f})", rows, [f"{n} pairs" for n in counts])
-    common.save_results(args, "mqar", record)
     figure(record, args)
 
 

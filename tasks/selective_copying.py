@@ -95,10 +95,10 @@ def main(argv=None):
                   + f"  ({seconds:.0f} s)", flush=True)
         record[arch] = runs
         rows.append((common.ARCHS[arch], {f"span {n}": [r["scores"][n] for r in runs] for n in spans}))
+        common.save_results(args, "selective_copying", record)  # after each model: a stopped run keeps them
     common.print_table(f"Selective copying: accuracy on the {TO_COPY} copied tokens, mean [min, max] over "
                        f"{args.seeds} seeds (trained at span {SPAN}; chance {1 / SYMBOLS:.3f})",
                        rows, [f"span {n}" for n in spans])
-    common.save_results(args, "selective_copying", record)
     figure(record, args)
 
 

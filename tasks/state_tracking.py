@@ -154,9 +154,9 @@ def main(argv=None):
                     + f"  ({seconds:.0f} s)", flush=True)
             record[arch] = runs
             rows.append((common.ARCHS[arch], {f"{n} {unit}": [r["scores"][n] for r in runs] for n in lengths}))
+            common.save_results(args, task, record)  # after each model: a stopped run keeps them
         common.print_table(f"{task}: last-position accuracy, mean [min, max] over {args.seeds} seeds "
                            f"(trained on {TASKS[task][2]}-{longest} {unit})", rows, [f"{n} {unit}" for n in lengths])
-        common.save_results(args, task, record)
     figure(args)
 
 
