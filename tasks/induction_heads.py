@@ -9,10 +9,9 @@ the first time: find an earlier occurrence of the current token and copy what ca
 associative recall that an "induction head" of a Transformer does (Olsson et al. 2022).
 
 The claim (Mamba, arXiv 2312.00752, §4.1.2, Table 2 and its figure): trained on strings of 256
-tokens, Mamba solves the task at every test length up to 2^20 tokens (4,000x), where attention
-with learned or sinusoidal positions falls to chance just past the training length and with rotary
-positions past about 2x. A selective state can keep the one token after the trigger and ignore all
-the others however many come; nothing in it depends on the position.
+tokens, Mamba solves the task at every test length up to 2^20 tokens (4,000x), where the attention
+baselines fall off soon past the training length. A selective state can keep the one token after
+the trigger and ignore all the others however many come; nothing in it depends on the position.
 
 How it is tested: beyond the training length, through the recurrent form a model generates with
 (prefill on the first training-length tokens, then one O(1) step per token, mamba_minimal.py §5),
