@@ -186,7 +186,7 @@ def figure(args):
         ax.axhline(CHANCE[task], color="grey", ls="--", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.02)
-        ax.set_xlabel(f"{unit} in the test string (dotted: longest trained; dashed: chance)")
+        ax.set_xlabel(f"{unit} (dotted: longest trained; dashed: chance)")
         ax.set_ylabel("last-position accuracy")
         ax.set_title(task)
         ax.grid(alpha=0.3)
