@@ -472,6 +472,10 @@ class Mamba3Config:
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True
     scan_backend: str = "auto"  # how to run it: pscan.scan's backend across chunks
+    # An ablation, off in every official model: True sets every angle θ to 0, so the state never
+    # rotates and stays real, Mamba-3 without its complex states (tasks/state_tracking.py). The
+    # angle projection stays in in_proj: the parameters and checkpoints are unchanged.
+    rotations_off: bool = False
 
     def __post_init__(self):
         for name in ("d_model", "n_layer", "vocab_size", "d_state", "expand", "headdim", "ngroups",
@@ -479,7 +483,7 @@ class Mamba3Config:
             value = getattr(self, name)
             if not mm._is_positive_int(value):
                 raise ValueError(f"Mamba3Config.{name} must be a positive integer, got {value!r}")
-        for name in ("is_outproj_norm", "is_mimo", "tie_embeddings", "residual_in_fp32"):
+        for name in ("is_outproj_norm", "is_mimo", "tie_embeddings", "residual_in_fp32", "rotations_off"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Mamba3Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.d_inner % self.headdim:
@@ -603,6 +607,8 @@ class Mamba3Mixer(nn.Module):
         dt = F.softplus(_at_least_fp32(dd_dt) + _at_least_fp32(self.dt_bias))  # (..., H)  Δ
         lam = torch.sigmoid(_at_least_fp32(trap))  # (..., H)
         theta = math.pi * torch.tanh(_at_least_fp32(angles))  # (..., S), the same for every head
+        if cfg.rotations_off:  # the ablation: no turn at any token
+            theta = torch.zeros_like(theta)
         theta = theta.unsqueeze(-2).expand(*theta.shape[:-1], H, theta.shape[-1])  # (..., H, S)
         return z, x.unflatten(-1, (H, P)), q, k, dt, A * dt, lam, theta
 

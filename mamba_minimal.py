@@ -192,6 +192,11 @@ class MambaConfig:
     compile_scan: Union[bool, str] = False  # section 6: False, True or "loop"
     chunk_size: int = 16  # section 6: the fused path's chunk length T
     recompute: bool = True  # section 6: the fused path's hand-written backward (vs plain autograd)
+    # An ablation, off in every official model: True makes Δ, B and C learned constants instead of
+    # functions of the token, the time-invariant (S4D-style) layer that selection replaced, one fixed
+    # convolution (pscan.py section 2); tasks/selective_copying.py compares the two. Its checkpoints
+    # hold dt_bias, B and C where a selective model's hold x_proj and dt_proj.
+    selection_off: bool = False
 
     def __post_init__(self):
         _check_config(self)  # the appendix
@@ -300,8 +305,13 @@ class MambaMixer(nn.Module):
         self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
         # depthwise and causal (token t sees t-d_conv+1 .. t); an nn.Conv1d so that checkpoints load
         self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
-        self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
-        self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
+        if cfg.selection_off:  # the ablation: nothing computed from the token, three constants
+            self.dt_bias = nn.Parameter(torch.empty(ed))  # Δ = softplus(dt_bias), one per channel
+            self.B = nn.Parameter(torch.empty(n))
+            self.C = nn.Parameter(torch.empty(n))
+        else:
+            self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
+            self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
         self.A_log = nn.Parameter(torch.empty(ed, n))  # A = -exp(A_log) < 0
         self.D = nn.Parameter(torch.empty(ed))
         self.out_proj = nn.Linear(ed, cfg.d_model, bias=cfg.bias)
@@ -312,12 +322,17 @@ class MambaMixer(nn.Module):
         """The official init of Δ, A and D; MambaLM calls it again after its generic init, which
         zeroes dt_proj's bias (every Δ would start at softplus(0) = 0.69)."""
         cfg = self.cfg
-        std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
-        if cfg.dt_init == "constant":
-            nn.init.constant_(self.dt_proj.weight, std)
+        if cfg.selection_off:  # the same Δ init; B = 1 and a random C, as S4D initialises them
+            self.dt_bias.copy_(dt_bias_init(cfg.d_inner, cfg))
+            self.B.fill_(1.0)
+            self.C.normal_()
         else:
-            nn.init.uniform_(self.dt_proj.weight, -std, std)
-        self.dt_proj.bias.copy_(dt_bias_init(cfg.d_inner, cfg))
+            std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
+            if cfg.dt_init == "constant":
+                nn.init.constant_(self.dt_proj.weight, std)
+            else:
+                nn.init.uniform_(self.dt_proj.weight, -std, std)
+            self.dt_proj.bias.copy_(dt_bias_init(cfg.d_inner, cfg))
         # A = -(1, 2, ..., N) in every channel: a spread of decay rates (the S4D-real init)
         self.A_log.copy_(torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float32)).repeat(cfg.d_inner, 1))
         self.D.fill_(1.0)
@@ -330,6 +345,11 @@ class MambaMixer(nn.Module):
     def _ssm_inputs(self, x):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
+        if cfg.selection_off:  # the same Δ, B and C at every token: x alone varies
+            shape = x.shape[:-1]
+            delta = F.softplus(_at_least_fp32(self.dt_bias)).expand(*shape, cfg.d_inner)  # (..., ED)
+            B, C = (t.to(x.dtype).expand(*shape, cfg.d_state) for t in (self.B, self.C))  # (..., N) each
+            return delta, B, C
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         # The bias is added in fp32 (the official delta_bias): next to a bias of -2 to -7 bf16's
         # spacing is 1/64 to 1/32, a fifth to two fifths of the data-dependent part at init (std 0.07).
@@ -1872,6 +1892,8 @@ def _check_config(cfg):
     if not 0 < cfg.dt_min <= cfg.dt_max:
         raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
     _check_hybrid_fields(cfg)
+    if not isinstance(cfg.selection_off, bool):
+        raise ValueError(f"MambaConfig.selection_off must be True or False, got {cfg.selection_off!r}")
 
 
 # the official MHA's arguments and defaults (modules/mha.py); num_heads has none

@@ -1,0 +1,227 @@
+"""
+tasks/common.py: what the four synthetic tasks share, written once. Each task's own file holds its
+idea, its paper's claim, its data generator and its run; this one holds the rest:
+
+    1. The models       build(): every architecture at one small size, by name
+    2. Training         train(): AdamW with a warmup and a cosine decay, the loss on answers only
+    3. Evaluation       accuracy(): the fraction of answers right, in one parallel pass
+    4. Over seeds       the command line, the table (mean and spread over seeds), the figure
+
+A task's data generator returns (x, y): token ids (b, L) and targets (b, L), where a target is
+IGNORE at every position that asks for nothing. The loss and the accuracy read the other
+positions only, the answers.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gpt_minimal import GPTConfig, TinyGPT
+from mamba2_minimal import Mamba2Config, Mamba2LM
+from mamba3_minimal import Mamba3Config, Mamba3LM
+from mamba_minimal import MambaConfig, MambaLM
+
+IGNORE = -100  # the target of a position that asks for nothing (cross_entropy's ignore_index)
+
+# ------------------------------------------------------------------------------------------------
+# 1. The models
+# ------------------------------------------------------------------------------------------------
+# One small size for every architecture, far below the papers': 2 layers of width 32 train a hundred
+# steps in seconds on one CPU thread.
+# Mamba-2 and Mamba-3 use heads of 16 channels, so that width 32 (64 inner channels) has 4 heads,
+# and chunks of 16 tokens: at these lengths (33 tokens, one thread) a training step with chunks of
+# 16 took 0.5-0.7x the time of one with chunks of 32 or 64.
+
+ARCHS = {
+    "mamba": "Mamba-1, selective",
+    "mamba-lti": "Mamba-1, selection off (LTI)",
+    "mamba2": "Mamba-2",
+    "mamba3": "Mamba-3",
+    "mamba3-real": "Mamba-3, rotations off",
+    "gpt": "GPT (learned positions)",
+}
+
+
+def build(arch, vocab_size, d_model=32, n_layer=2, d_state=16, max_len=64):
+    """A freshly initialised model of the architecture named `arch` (a key of ARCHS). max_len: the
+    longest training sequence; the GPT's learned positions stop there, the SSMs have none."""
+    common = dict(d_model=d_model, n_layer=n_layer, vocab_size=vocab_size)
+    if arch in ("mamba", "mamba-lti"):
+        return MambaLM(MambaConfig(**common, d_state=d_state, selection_off=arch == "mamba-lti"))
+    if arch == "mamba2":
+        return Mamba2LM(Mamba2Config(**common, d_state=d_state, headdim=16, chunk_size=16))
+    if arch in ("mamba3", "mamba3-real"):
+        return Mamba3LM(Mamba3Config(**common, d_state=d_state, headdim=16, chunk_size=16,
+                                     rotations_off=arch == "mamba3-real"))
+    if arch == "gpt":
+        return TinyGPT(GPTConfig(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, n_head=4,
+                                 block_size=max_len))
+    raise ValueError(f"arch must be one of {tuple(ARCHS)}, got {arch!r}")
+
+
+def logits_of(model, x, vocab_size):
+    """x (b, L) -> logits (b, L, vocab_size) in fp32: the Mamba models pad their vocabulary to a
+    multiple of 8, and the padded entries are no answer."""
+    return model(x)[..., :vocab_size].float()
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. Training
+# ------------------------------------------------------------------------------------------------
+
+def lr_at(step, steps, lr, warmup):
+    """Linear warmup over `warmup` steps, then a cosine from lr down to lr/10 at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    ratio = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * ratio)))
+
+
+def train(model, batch_at, steps, vocab_size, lr=3e-3, weight_decay=0.1, warmup=100, log_every=50):
+    """AdamW on the batches batch_at(step) -> (x, y) for `steps` steps, gradients clipped at norm 1.
+    Returns the training loss every log_every steps, as (step, mean loss since the last record)."""
+    optimizer = torch.optim.AdamW(model.optim_groups(weight_decay), lr=lr, betas=(0.9, 0.98))
+    model.train()
+    curve, running = [], []
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        x, y = batch_at(step)
+        logits = logits_of(model, x, vocab_size)  # (b, L, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running.append(loss.item())
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            curve.append((step + 1, sum(running) / len(running)))
+            running = []
+    return curve
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. Evaluation
+# ------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def accuracy(model, x, y, vocab_size, batch_size=256):
+    """The fraction of answers (positions where y is not IGNORE) that the model's argmax gets right,
+    over the test set x, y (n, L), in batches of batch_size sequences."""
+    model.eval()
+    right = total = 0
+    for i in range(0, len(x), batch_size):
+        xb, yb = x[i:i + batch_size], y[i:i + batch_size]
+        pred = logits_of(model, xb, vocab_size).argmax(-1)  # (b, L)
+        asked = yb != IGNORE
+        right += (pred[asked] == yb[asked]).sum().item()
+        total += asked.sum().item()
+    model.train()
+    return right / total
+
+
+@torch.no_grad()
+def last_logits_by_steps(model, x, prefix, vocab_size):
+    """The logits at the last position of x (b, L), computed as a model generates: prefill reads the
+    first `prefix` tokens in one parallel pass, then step() advances the recurrent state one token
+    at a time, in O(1) time and memory per token whatever the position. -> (b, vocab_size)"""
+    model.eval()
+    logits, cache = model.prefill(x[:, :prefix])
+    logits = logits[:, -1]
+    for token in x[:, prefix:].unbind(1):
+        logits = model.step(token, cache)
+    model.train()
+    return logits[:, :vocab_size].float()
+
+
+# ------------------------------------------------------------------------------------------------
+# 4. Over seeds: the command line, the table, the figure
+# ------------------------------------------------------------------------------------------------
+
+def arguments(description, models, steps, extra=None, argv=None):
+    """The options every task takes; `extra(parser)` adds a task's own."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(models),
+                   help=f"comma-separated, from {', '.join(ARCHS)} (default: %(default)s)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per model, seeds 0 .. SEEDS-1 (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=steps, help="training steps per run (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--out-dir", default="out/tasks", help="where the results (JSON) and the figure go")
+    if extra is not None:
+        extra(p)
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    for m in args.models:
+        if m not in ARCHS:
+            p.error(f"unknown model {m!r}: choose from {', '.join(ARCHS)}")
+    if args.seeds < 1 or args.steps < 1 or args.threads < 1:
+        p.error("--seeds, --steps and --threads must be positive")
+    torch.set_num_threads(args.threads)
+    return args
+
+
+def machine():
+    """What ran it, for the record and the figure: the CPU, the threads, torch."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {torch.get_num_threads()} thread(s), torch {torch.__version__}"
+
+
+def spread(values):
+    """'mean [min, max]' of the values over seeds; '-' when there are none (not applicable)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "n/a"
+    return f"{statistics.fmean(values):.3f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def print_table(title, rows, columns):
+    """rows: (label, {column: [value per seed]}); prints a Markdown table of mean [min, max]."""
+    print(f"\n{title}\n")
+    print("| model | " + " | ".join(columns) + " |")
+    print("|---|" + "---|" * len(columns))
+    for label, cells in rows:
+        print(f"| {label} | " + " | ".join(spread(cells.get(c, [])) for c in columns) + " |")
+
+
+def save_results(args, name, record):
+    """Writes out_dir/name.json: every run's numbers (record), the machine and the settings."""
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"{name}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(runs=record, machine=machine(), settings=vars(args)), f, indent=1)
+    os.replace(tmp, path)  # a reader never sees half a file
+    print(f"wrote {path}")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot writing files, or None when matplotlib is not installed (it is optional:
+    the tasks print their tables without it)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no figure (pip install matplotlib for one)")
+        return None
+    return plt
+
+
+def timed(fn, *args, **kwargs):
+    """fn's result and the seconds it took."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return result, time.perf_counter() - start

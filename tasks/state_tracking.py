@@ -1,0 +1,203 @@
+"""
+tasks/state_tracking.py: parity and modular arithmetic, the state-tracking tasks of Mamba-3.
+
+    python -m tasks.state_tracking                  # both tasks, 4 models, 3 seeds each
+    python -m tasks.state_tracking --task parity    # one of them
+
+The idea. Read a string one token at a time and keep track of something that each token
+transforms: the parity of the 1s so far, or the value of an expression mod 5. The answer after the
+last token is a function of the whole string, so a model must carry the exact state, with no
+decay, and update it by each token.
+
+The claim (Mamba-3, arXiv 2603.15569, §3.2 and its state-tracking table): a real decay cannot do
+it, a rotation can. Mamba-2's update h_t = α_t·h_{t-1} + ... has α_t in (0, 1): every token can
+only shrink the state, never flip its sign, so "one more 1" and "one fewer 1" look alike. Mamba-3's
+complex state turns each pair of state entries by an angle Δ_t·θ_t that the token chooses
+(mamba3_minimal.py §2): a 1 that turns the pair by π and a 0 that does not leave the parity in the
+sign of the accumulated angle, exactly, at any length. The paper finds Mamba-3 solves parity and
+modular arithmetic where Mamba-2 and Mamba-3 without its rotations fail.
+
+The tasks, both trained with the length drawn anew at every step, short strings among long ones
+(a curriculum: a short string teaches the update rule that a long one applies many times):
+
+    parity       a start token, then n bits, n from 2 to 32; the target after every bit is the
+                 parity of the bits so far (0/1). Chance: 0.5.
+    arithmetic   a start token, then a number, then n (operation, number) pairs, numbers 0-4,
+                 operations +, -, ×, evaluated left to right mod 5, n from 1 to 16; the target
+                 after every number is the value so far. Chance: 0.2. (Left to right keeps the
+                 state one number mod 5; the paper's versions follow operator precedence, with and
+                 without brackets; brackets, a stack, are left out.)
+
+Scored: the answer at the last position, at the longest training length and at 2x, 4x and 8x it.
+"""
+
+import json
+import os
+
+import torch
+
+from tasks import common
+
+# ------------------------------------------------------------------------------------------------
+# 1. The data
+# ------------------------------------------------------------------------------------------------
+
+PARITY_START = 2  # token ids: 0 and 1 are the bits
+PARITY_VOCAB = 3
+
+ADD, SUB, MUL, ARITH_START = 5, 6, 7, 8  # token ids: 0-4 are the numbers
+ARITH_VOCAB = 9
+MODULUS = 5
+
+
+def parity_strings(bits, last_only=False):
+    """bits (b, n) of 0/1 -> (x, y), each (b, 1 + n): x = the start token, then the bits; y after each
+    bit = the parity of the bits so far, IGNORE at the start token (and everywhere but the last
+    position with last_only)."""
+    start = torch.full_like(bits[:, :1], PARITY_START)
+    x = torch.cat([start, bits], dim=1)  # (b, 1 + n)
+    y = torch.cat([torch.full_like(start, common.IGNORE), bits.cumsum(1) % 2], dim=1)
+    if last_only:
+        y[:, :-1] = common.IGNORE
+    return x, y
+
+
+def parity_batch(batch, n_bits, generator, last_only=False):
+    """parity_strings of random bits, (batch, 1 + n_bits) each."""
+    return parity_strings(torch.randint(0, 2, (batch, n_bits), generator=generator), last_only)
+
+
+def arithmetic_strings(numbers, ops, last_only=False):
+    """numbers (b, n + 1) in 0-4 and ops (b, n) in ADD, SUB, MUL -> (x, y), each (b, 2 + 2n):
+    x = the start token, a0, op1, a1, ..., op_n, a_n; y after each number a_k is the value of
+    a0 op1 a1 ... op_k a_k mod 5, evaluated left to right; IGNORE after the start token and the
+    operations (and everywhere but the last position with last_only)."""
+    batch, n_ops = ops.shape
+    value = numbers[:, 0]
+    values = [value]
+    for k in range(n_ops):
+        a, op = numbers[:, k + 1], ops[:, k]
+        value = torch.where(op == ADD, value + a, torch.where(op == SUB, value - a, value * a)) % MODULUS
+        values.append(value)
+    x = torch.full((batch, 2 + 2 * n_ops), ARITH_START)
+    y = torch.full_like(x, common.IGNORE)
+    x[:, 1::2], y[:, 1::2] = numbers, torch.stack(values, dim=1)  # the numbers and the values so far
+    x[:, 2::2] = ops
+    if last_only:
+        y[:, :-1] = common.IGNORE
+    return x, y
+
+
+def arithmetic_batch(batch, n_ops, generator, last_only=False):
+    """arithmetic_strings of random numbers and operations, (batch, 2 + 2·n_ops) each."""
+    numbers = torch.randint(0, MODULUS, (batch, n_ops + 1), generator=generator)
+    ops = torch.randint(ADD, MUL + 1, (batch, n_ops), generator=generator)
+    return arithmetic_strings(numbers, ops, last_only)
+
+
+TASKS = {
+    # name: (batch function, vocabulary, shortest and longest training length, what a length counts)
+    "parity": (parity_batch, PARITY_VOCAB, 2, 32, "bits"),
+    "arithmetic": (arithmetic_batch, ARITH_VOCAB, 1, 16, "operations"),
+}
+CHANCE = {"parity": 1 / 2, "arithmetic": 1 / MODULUS}
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. The run
+# ------------------------------------------------------------------------------------------------
+
+MODELS = ("mamba3", "mamba3-real", "mamba2", "mamba")
+BATCH, TEST_SEQUENCES, STRETCH = 32, 512, (1, 2, 4, 8)
+
+
+def run_one(task, arch, seed, steps, d_model=32, n_layer=2, d_state=16, batch=BATCH,
+            test_sequences=TEST_SEQUENCES, stretch=STRETCH):
+    """Train arch on task with one seed, then score it at the longest training length times each
+    factor in stretch. -> (accuracy per length, the loss curve, seconds of training)."""
+    make, vocab, shortest, longest, _ = TASKS[task]
+    torch.manual_seed(seed)  # the model's init
+    model = common.build(arch, vocab, d_model, n_layer, d_state, max_len=2 + 2 * longest)
+    g = torch.Generator().manual_seed(1000 + seed)  # the training data
+
+    def batch_at(step):
+        n = int(torch.randint(shortest, longest + 1, (), generator=g))  # a new length every step
+        return make(batch, n, g)
+
+    curve, seconds = common.timed(common.train, model, batch_at, steps, vocab)
+    test = torch.Generator().manual_seed(123)  # one test set for every model and seed
+    scores = {}
+    for factor in stretch:
+        n = factor * longest
+        if arch == "gpt" and factor > 1:
+            scores[n] = None  # learned positions stop at the training length
+            continue
+        x, y = make(test_sequences, n, test, last_only=True)
+        scores[n] = common.accuracy(model, x, y, vocab)
+    return scores, curve, seconds
+
+
+def main(argv=None):
+    args = common.arguments(__doc__, MODELS, steps=1500, argv=argv,
+                            extra=lambda p: p.add_argument("--task", choices=("both", *TASKS), default="both"))
+    for task in TASKS if args.task == "both" else (args.task,):
+        _, _, _, longest, unit = TASKS[task]
+        lengths = [f * longest for f in STRETCH]
+        record, rows = {}, []
+        for arch in args.models:
+            runs = []
+            for seed in range(args.seeds):
+                scores, curve, seconds = run_one(task, arch, seed, args.steps)
+                runs.append(dict(seed=seed, scores=scores, curve=curve, seconds=seconds))
+                print(f"{task} {arch} seed {seed}: " + ", ".join(
+                    f"{n} {unit} {'n/a' if a is None else f'{a:.3f}'}" for n, a in scores.items())
+                    + f"  ({seconds:.0f} s)", flush=True)
+            record[arch] = runs
+            rows.append((common.ARCHS[arch], {f"{n} {unit}": [r["scores"][n] for r in runs] for n in lengths}))
+            common.save_results(args, task, record)  # after each model: a stopped run keeps them
+        common.print_table(f"{task}: last-position accuracy, mean [min, max] over {args.seeds} seeds "
+                           f"(trained on {TASKS[task][2]}-{longest} {unit})", rows, [f"{n} {unit}" for n in lengths])
+    figure(args)
+
+
+def figure(args):
+    """One panel per task whose results (parity.json, arithmetic.json) are in --out-dir."""
+    plt = common.pyplot()
+    if plt is None:
+        return
+    records = {}
+    for task in TASKS:
+        path = os.path.join(args.out_dir, f"{task}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                records[task] = json.load(f)
+    fig, axes = plt.subplots(1, len(records), figsize=(5 * len(records), 3.8), squeeze=False)
+    for ax, (task, record) in zip(axes[0], records.items()):
+        _, _, _, longest, unit = TASKS[task]
+        for arch, runs in record["runs"].items():
+            for r in runs:  # JSON keeps the lengths as strings
+                r["scores"] = {int(n): a for n, a in r["scores"].items()}
+            lengths = [n for n in runs[0]["scores"] if runs[0]["scores"][n] is not None]
+            means = [sum(r["scores"][n] for r in runs) / len(runs) for n in lengths]
+            line, = ax.plot(lengths, means, marker="o", label=common.ARCHS[arch])
+            for r in runs:  # each seed, faint
+                ax.plot(lengths, [r["scores"][n] for n in lengths], color=line.get_color(), alpha=0.25, lw=0.8)
+        ax.axvline(longest, color="grey", ls=":", lw=1)
+        ax.axhline(CHANCE[task], color="grey", ls="--", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel(f"{unit} (dotted: longest trained; dashed: chance)")
+        ax.set_ylabel("last-position accuracy")
+        ax.set_title(task)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"State tracking, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds "
+                 f"(python -m tasks.state_tracking)\n{common.machine()}", fontsize=8)
+    fig.tight_layout()
+    path = f"{args.out_dir}/state_tracking.png"
+    fig.savefig(path, dpi=90)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""
+test_tasks.py: the synthetic tasks of tasks/ (the papers' claims on a laptop), in miniature.
+
+Each data generator against strings worked out by hand; each task's pipeline trains a tiny model
+for a few steps and its loss goes down; the recurrent evaluation (prefill + step) against the
+parallel forward; and the two ablation switches the tasks need, MambaConfig.selection_off and
+Mamba3Config.rotations_off, against what they claim: an LTI layer that is one fixed convolution
+(pscan.scan_time_invariant), and a Mamba-3 whose angles are zero.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pscan
+from mamba3_minimal import Mamba3Config, Mamba3LM
+from mamba_minimal import MambaConfig, MambaLM
+from tasks import common, induction_heads, mqar, selective_copying, state_tracking
+
+N = common.IGNORE  # a position that asks for nothing
+
+
+# ------------------------------------------------------------------------------------------------
+# The data generators, against hand-worked strings
+# ------------------------------------------------------------------------------------------------
+
+def test_parity_targets_are_the_running_parity():
+    x, y = state_tracking.parity_strings(torch.tensor([[1, 0, 1, 1, 0]]))
+    start = state_tracking.PARITY_START
+    assert x.tolist() == [[start, 1, 0, 1, 1, 0]]
+    assert y.tolist() == [[N, 1, 1, 0, 1, 1]]  # 1, 1+0, 1+0+1, ... mod 2
+    _, y_last = state_tracking.parity_strings(torch.tensor([[1, 0, 1, 1, 0]]), last_only=True)
+    assert y_last.tolist() == [[N, N, N, N, N, 1]]
+
+
+def test_arithmetic_is_evaluated_left_to_right_mod_5():
+    add, sub, mul = state_tracking.ADD, state_tracking.SUB, state_tracking.MUL
+    # 3 + 4 × 2 - 1, left to right: 3, 7 = 2, 2 × 2 = 4, 4 - 1 = 3 (with precedence it would be 10 = 0)
+    x, y = state_tracking.arithmetic_strings(torch.tensor([[3, 4, 2, 1]]), torch.tensor([[add, mul, sub]]))
+    assert x.tolist() == [[state_tracking.ARITH_START, 3, add, 4, mul, 2, sub, 1]]
+    assert y.tolist() == [[N, 3, N, 2, N, 4, N, 3]]
+    # 1 - 3 = -2 = 3 mod 5, then × 0 resets to 0
+    _, y = state_tracking.arithmetic_strings(torch.tensor([[1, 3, 0]]), torch.tensor([[sub, mul]]))
+    assert y.tolist() == [[N, 1, N, 3, N, 0]]
+
+
+def test_state_tracking_batches_hold_what_their_strings_say():
+    g = torch.Generator().manual_seed(0)
+    x, y = state_tracking.parity_batch(64, 20, g)
+    assert x.shape == y.shape == (64, 21)
+    assert torch.equal(y[:, -1], x[:, 1:].sum(1) % 2)
+    x, y = state_tracking.arithmetic_batch(64, 6, g, last_only=True)
+    assert x.shape == (64, 14) and (y[:, :-1] == N).all() and ((0 <= y[:, -1]) & (y[:, -1] < 5)).all()
+
+
+def test_selective_copying_targets_are_the_data_tokens_in_order():
+    blank, marker = selective_copying.BLANK, selective_copying.MARKER
+    x, y = selective_copying.copying_strings(torch.tensor([[5, 2, 7]]), torch.tensor([[1, 4, 6]]), span=8)
+    assert x.tolist() == [[blank, 5, blank, blank, 2, blank, 7, blank, marker, marker, marker]]
+    assert y.tolist() == [[N] * 8 + [5, 2, 7]]
+
+
+def test_selective_copying_batches_scatter_the_tokens_they_ask_back():
+    g = torch.Generator().manual_seed(0)
+    x, y = selective_copying.copying_batch(128, 24, g)
+    k = selective_copying.TO_COPY
+    region = x[:, :24]
+    assert x.shape == (128, 24 + k) and (x[:, 24:] == selective_copying.MARKER).all()
+    assert ((region != selective_copying.BLANK).sum(1) == k).all()  # k distinct positions
+    # the copy target is the region's non-blank tokens, read left to right
+    assert torch.equal(region[region != selective_copying.BLANK].view(128, k), y[:, 24:])
+    assert (y[:, :24] == N).all()
+    with pytest.raises(ValueError, match="span"):
+        selective_copying.copying_batch(2, k - 1, g)
+
+
+def test_induction_answer_is_the_token_after_the_first_trigger():
+    t = induction_heads.TRIGGER
+    x, y = induction_heads.induction_strings(torch.tensor([[3, 9, 4, 4, 1, 8, 2]]), torch.tensor([2]))
+    assert x.tolist() == [[3, 9, t, 4, 1, 8, t]]
+    assert y.tolist() == [[N, N, N, N, N, N, 4]]
+
+
+def test_induction_batches_have_the_trigger_exactly_twice():
+    g = torch.Generator().manual_seed(0)
+    x, y = induction_heads.induction_batch(256, 12, g)
+    t = induction_heads.TRIGGER
+    assert ((x == t).sum(1) == 2).all() and (x[:, -1] == t).all()
+    first = (x == t).int().argmax(1)  # the first trigger
+    assert (first <= 12 - 3).all()
+    assert torch.equal(y[:, -1], x[torch.arange(256), first + 1]) and (y[:, :-1] == N).all()
+
+
+def test_mqar_answers_are_the_values_paired_with_the_asked_keys():
+    keys, values = torch.tensor([[5, 0, 9]]), torch.tensor([[70, 64, 100]])
+    x, y = mqar.mqar_strings(keys, values, torch.tensor([[2, 0]]))
+    assert x.tolist() == [[5, 70, 0, 64, 9, 100, 9, 5]]
+    assert y.tolist() == [[N, N, N, N, N, N, 100, 70]]
+
+
+def test_mqar_batches_have_distinct_keys_and_consistent_answers():
+    g = torch.Generator().manual_seed(0)
+    pairs, q = 20, mqar.QUERIES
+    x, y = mqar.mqar_batch(64, pairs, g)
+    keys, values = x[:, 0:2 * pairs:2], x[:, 1:2 * pairs:2]
+    assert x.shape == (64, 2 * pairs + q)
+    assert all(len(set(row.tolist())) == pairs for row in keys)
+    assert ((keys < mqar.KEYS) & (values >= mqar.KEYS)).all()
+    for row in range(64):  # every query's target is the value its key was paired with
+        table = dict(zip(keys[row].tolist(), values[row].tolist()))
+        assert [table[k] for k in x[row, 2 * pairs:].tolist()] == y[row, 2 * pairs:].tolist()
+    assert len(set(x[0, 2 * pairs:].tolist())) == q  # each key asked once
+    with pytest.raises(ValueError, match="pairs"):
+        mqar.mqar_batch(2, q - 1, g)
+
+
+# ------------------------------------------------------------------------------------------------
+# The pipeline: a tiny model learns, the table and the evaluations
+# ------------------------------------------------------------------------------------------------
+
+TINY = dict(d_model=16, n_layer=1, d_state=4)
+
+
+@pytest.mark.parametrize("task", ["selective_copying", "induction_heads", "mqar", "parity", "arithmetic"])
+def test_a_tiny_model_learns_each_task(task):
+    # the loss of the first 10 steps against that of the last 10, 60 steps of a 1-layer Mamba of
+    # width 16 (induction, with one answer per string, at a higher learning rate)
+    g = torch.Generator().manual_seed(0)
+    make, vocab, lr = {
+        "selective_copying": (lambda: selective_copying.copying_batch(16, 12, g), selective_copying.VOCAB, 1e-2),
+        "induction_heads": (lambda: induction_heads.induction_batch(32, 8, g), induction_heads.VOCAB, 3e-2),
+        "mqar": (lambda: mqar.mqar_batch(16, 16, g), mqar.VOCAB, 1e-2),
+        "parity": (lambda: state_tracking.parity_batch(16, 8, g), state_tracking.PARITY_VOCAB, 1e-2),
+        "arithmetic": (lambda: state_tracking.arithmetic_batch(16, 4, g), state_tracking.ARITH_VOCAB, 1e-2),
+    }[task]
+    model = common.build("mamba", vocab, **TINY, max_len=64)
+    curve = common.train(model, lambda step: make(), steps=60, vocab_size=vocab, lr=lr, warmup=5, log_every=10)
+    assert curve[-1][1] < 0.95 * curve[0][1], curve
+
+
+@pytest.mark.parametrize("arch", list(common.ARCHS))
+def test_every_architecture_builds_trains_and_scores(arch):
+    model = common.build(arch, 5, **TINY, max_len=10)
+    x = torch.randint(0, 5, (4, 10))
+    y = torch.randint(0, 5, (4, 10))
+    curve = common.train(model, lambda step: (x, y), steps=2, vocab_size=5, warmup=1, log_every=1)
+    assert len(curve) == 2
+    assert 0 <= common.accuracy(model, x, y, 5) <= 1
+
+
+def test_accuracy_counts_only_the_answers():
+    class Says(torch.nn.Module):  # predicts token 1 everywhere
+        def forward(self, x):
+            return F.one_hot(torch.ones_like(x), 3).float()
+
+    y = torch.tensor([[N, 1, 0, N], [1, N, N, 2]])
+    assert common.accuracy(Says(), torch.zeros(2, 4, dtype=torch.long), y, 3) == pytest.approx(2 / 4)
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba-lti", "mamba2", "mamba3", "mamba3-real"])
+def test_recurrent_evaluation_matches_the_parallel_forward(arch):
+    # prefill on a prefix, then one step per token: the last logits of one parallel pass
+    model = common.build(arch, 7, **TINY, max_len=8).double()
+    x = torch.randint(0, 7, (3, 21))
+    by_steps = common.last_logits_by_steps(model, x, prefix=8, vocab_size=7)
+    with torch.no_grad():
+        parallel = model(x)[:, -1, :7]
+    torch.testing.assert_close(by_steps, parallel.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_table_reports_mean_min_max_and_not_applicable(capsys):
+    assert common.spread([0.5, 1.0, 0.75]) == "0.750 [0.50, 1.00]"
+    assert common.spread([None, None]) == "n/a"
+    common.print_table("t", [("m", {"a": [1.0], "b": [None]})], ["a", "b"])
+    assert "| m | 1.000 [1.00, 1.00] | n/a |" in capsys.readouterr().out
+
+
+def test_a_short_run_of_each_task_scores_at_every_length():
+    common_args = dict(d_model=16, n_layer=1, d_state=4, batch=4, test_sequences=4)
+    scores, curve, _ = selective_copying.run_one("mamba-lti", 0, 2, span=8, stretch=(1, 2), **common_args)
+    assert list(scores) == [8, 16] and len(curve) == 1
+    scores, _, _ = induction_heads.run_one("mamba3", 0, 2, length=6, stretch=(1, 3), **common_args)
+    assert list(scores) == [6, 18] and all(0 <= a <= 1 for a in scores.values())
+    scores, _, _ = induction_heads.run_one("gpt", 0, 2, length=6, stretch=(1, 3), **common_args)
+    assert scores[18] is None  # the GPT's learned positions stop at the training length
+    scores, _, _ = mqar.run_one("mamba2", 8, 0, 2, pairs=16, stretch=(1, 2), **{k: v for k, v in common_args.items()
+                                                                               if k != "d_state"})
+    assert list(scores) == [16, 32]
+    scores, _, _ = state_tracking.run_one("parity", "mamba3-real", 0, 2, stretch=(1, 2), **common_args)
+    assert list(scores) == [32, 64]
+
+
+def test_main_writes_its_results(tmp_path, monkeypatch, capsys):
+    # the whole command at the smallest size: one seed, one step, short strings
+    monkeypatch.setattr(state_tracking, "TEST_SEQUENCES", 4)
+    monkeypatch.setattr(state_tracking, "BATCH", 4)
+    state_tracking.main(["--task", "parity", "--models", "mamba2", "--seeds", "1", "--steps", "1",
+                         "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| Mamba-2 |" in out and (tmp_path / "parity.json").exists()
+    with pytest.raises(SystemExit):
+        state_tracking.main(["--models", "mamba4"])
+
+
+# ------------------------------------------------------------------------------------------------
+# MambaConfig.selection_off: Δ, B and C learned constants, the layer one fixed convolution
+# ------------------------------------------------------------------------------------------------
+
+def lti_mixer_by_convolution(mixer, hidden):
+    """The oracle, in float64 from the mixer's parameters: in_proj, the causal conv (F.conv1d),
+    SiLU, then the SSM as a convolution with the fixed kernel exp(Δ·A)^k (pscan.scan_time_invariant,
+    an FFT), read out with C, plus D·x, gated by SiLU(z), out_proj."""
+    b, L, _ = hidden.shape
+    x, z = (hidden @ mixer.in_proj.weight.t()).chunk(2, dim=-1)  # (b, L, ED)
+    w = mixer.conv1d.weight  # (ED, 1, d_conv)
+    x = F.conv1d(x.transpose(1, 2), w, mixer.conv1d.bias, padding=w.shape[-1] - 1, groups=w.shape[0])
+    x = F.silu(x[..., :L].transpose(1, 2))  # (b, L, ED)
+    delta = F.softplus(mixer.dt_bias)  # (ED,) the same at every step
+    A = -torch.exp(mixer.A_log)  # (ED, N)
+    a = torch.exp(delta[:, None] * A).expand(b, *A.shape)  # (b, ED, N) constant in time
+    u = (delta * x)[..., None] * mixer.B  # (b, L, ED, N)  Δ·B·x
+    h = pscan.scan_time_invariant(a, u)  # (b, L, ED, N)
+    y = (h * mixer.C).sum(-1) + mixer.D * x  # (b, L, ED)
+    return (y * F.silu(z)) @ mixer.out_proj.weight.t()
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto", "sequential", "pscan", "fused"])
+def test_selection_off_makes_the_ssm_one_fixed_convolution(backend):
+    torch.manual_seed(1)
+    cfg = MambaConfig(d_model=8, n_layer=1, vocab_size=5, d_state=4, selection_off=True, scan_backend=backend)
+    mixer = MambaLM(cfg).double().backbone.layers[0].mixer
+    with torch.no_grad():  # away from the init (B = 1, D = 1) so that each parameter shows
+        for p in (mixer.B, mixer.C, mixer.D, mixer.dt_bias):
+            p.add_(0.3 * torch.randn_like(p))
+    hidden = torch.randn(2, 37, 8, dtype=torch.float64)
+    torch.testing.assert_close(mixer(hidden), lti_mixer_by_convolution(mixer, hidden), rtol=1e-9, atol=1e-10)
+
+
+def test_selection_off_parameters_are_constants_and_the_selective_ones_are_gone():
+    model = MambaLM(MambaConfig(d_model=8, n_layer=2, vocab_size=5, d_state=4, selection_off=True))
+    mixer = model.backbone.layers[0].mixer
+    names = {n for n, _ in mixer.named_parameters()}
+    assert names == {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "B", "C", "A_log", "D",
+                     "out_proj.weight"}
+    assert mixer.B.shape == mixer.C.shape == (4,) and mixer.dt_bias.shape == (16,)
+    dt = F.softplus(mixer.dt_bias)  # the official Δ init: in [dt_min, dt_max]
+    assert ((dt >= 1e-3 * 0.999) & (dt <= 0.1 * 1.001)).all()
+    # A_log, D, dt_bias, B and C take no weight decay, as per-channel constants
+    decayed = {id(p) for g in model.optim_groups(0.1) if g["weight_decay"] > 0 for p in g["params"]}
+    assert not any(id(p) in decayed for p in (mixer.B, mixer.C, mixer.dt_bias, mixer.A_log, mixer.D))
+
+
+def test_a_checkpoint_without_selection_off_loads_strictly_and_the_two_do_not_mix(tmp_path):
+    # the official parameter names, written out: the option adds nothing to a default model
+    official = {"in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
+                "dt_proj.bias", "A_log", "D", "out_proj.weight"}
+    cfg = dict(d_model=8, n_layer=1, vocab_size=5, d_state=4)
+    selective = MambaLM(MambaConfig(**cfg))
+    assert {n for n, _ in selective.backbone.layers[0].mixer.named_parameters()} == official
+    torch.save(selective.state_dict(), tmp_path / "selective.pt")
+    MambaLM(MambaConfig(**cfg)).load_state_dict(torch.load(tmp_path / "selective.pt", weights_only=True))
+    # an LTI model saves and loads itself; a checkpoint of the one kind is refused by the other
+    lti = MambaLM(MambaConfig(**cfg, selection_off=True))
+    torch.save(lti.state_dict(), tmp_path / "lti.pt")
+    again = MambaLM(MambaConfig(**cfg, selection_off=True))
+    again.load_state_dict(torch.load(tmp_path / "lti.pt", weights_only=True))
+    ids = torch.randint(0, 5, (2, 9))
+    torch.testing.assert_close(again(ids), lti(ids), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="x_proj"):
+        lti.load_state_dict(selective.state_dict())
+    with pytest.raises(RuntimeError, match="dt_bias"):
+        selective.load_state_dict(lti.state_dict())
+
+
+def test_selection_off_must_be_a_bool():
+    with pytest.raises(ValueError, match="selection_off"):
+        MambaConfig(selection_off="yes")
+
+
+# ------------------------------------------------------------------------------------------------
+# Mamba3Config.rotations_off: the angles are zero
+# ------------------------------------------------------------------------------------------------
+
+def test_rotations_off_equals_the_model_with_zero_angles_and_rotations_on_differ():
+    torch.manual_seed(2)
+    cfg = dict(d_model=16, n_layer=2, vocab_size=7, d_state=8, headdim=8, chunk_size=4)
+    off = Mamba3LM(Mamba3Config(**cfg, rotations_off=True)).double()
+    on = Mamba3LM(Mamba3Config(**cfg)).double()
+    on.load_state_dict(off.state_dict())  # the same parameters: the option adds and removes none
+    ids = torch.randint(0, 7, (2, 13))
+    with torch.no_grad():
+        with_rotations = on(ids)
+        zeroed = Mamba3LM(Mamba3Config(**cfg)).double()
+        zeroed.load_state_dict(off.state_dict())
+        for layer in zeroed.backbone.layers:  # in_proj's last num_rope_angles rows give θ = π·tanh(·)
+            layer.mixer.in_proj.weight[-zeroed.cfg.num_rope_angles:] = 0
+        torch.testing.assert_close(off(ids), zeroed(ids), rtol=0, atol=1e-12)
+        assert (off(ids) - with_rotations).abs().max() > 1e-3
+        # and the recurrent step, which reads the same angles
+        _, cache_off = off.prefill(ids[:, :5])
+        _, cache_zeroed = zeroed.prefill(ids[:, :5])
+        torch.testing.assert_close(off.step(ids[:, 5], cache_off), zeroed.step(ids[:, 5], cache_zeroed))
+        assert all((c[0] == 0).all() for c in cache_off)  # the accumulated angles stay 0
+
+
+def test_rotations_off_must_be_a_bool():
+    with pytest.raises(ValueError, match="rotations_off"):
+        Mamba3Config(d_model=16, n_layer=1, vocab_size=5, rotations_off=1)
