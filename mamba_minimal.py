@@ -23,7 +23,8 @@ models (attention layers and MLPs among the mixers, for every generation).
     7. Loading checkpoints              from_pretrained(), save_pretrained(): the official and the transformers layouts
     8. Using a model for real           caches, packed sequences, padding: what forward's options do
     9. Hybrid models                    attention layers (rotary, GQA, a KV cache), MLPs, LayerNorm (MHA, GatedMLP)
-   10. Appendix: input checks
+   10. Selection switched off          the time-invariant layer that selection replaced: an ablation
+   11. Appendix: input checks
 
 Glossary. One name, one meaning; shape comments use these letters.
 
@@ -192,11 +193,7 @@ class MambaConfig:
     compile_scan: Union[bool, str] = False  # section 6: False, True or "loop"
     chunk_size: int = 16  # section 6: the fused path's chunk length T
     recompute: bool = True  # section 6: the fused path's hand-written backward (vs plain autograd)
-    # An ablation, off in every official model: True makes Δ, B and C learned constants instead of
-    # functions of the token, the time-invariant (S4D-style) layer that selection replaced, one fixed
-    # convolution (pscan.py section 2); tasks/selective_copying.py compares the two. Its checkpoints
-    # hold dt_bias, B and C where a selective model's hold x_proj and dt_proj.
-    selection_off: bool = False
+    selection_off: bool = False  # an ablation, section 10: Δ, B and C constants, no selection
 
     def __post_init__(self):
         _check_config(self)  # the appendix
@@ -305,13 +302,8 @@ class MambaMixer(nn.Module):
         self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
         # depthwise and causal (token t sees t-d_conv+1 .. t); an nn.Conv1d so that checkpoints load
         self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
-        if cfg.selection_off:  # the ablation: nothing computed from the token, three constants
-            self.dt_bias = nn.Parameter(torch.empty(ed))  # Δ = softplus(dt_bias), one per channel
-            self.B = nn.Parameter(torch.empty(n))
-            self.C = nn.Parameter(torch.empty(n))
-        else:
-            self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
-            self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
+        self.x_proj = nn.Linear(ed, r + 2 * n, bias=False)  # -> Δ (low rank), B, C
+        self.dt_proj = nn.Linear(r, ed, bias=True)  # Δ back to full width
         self.A_log = nn.Parameter(torch.empty(ed, n))  # A = -exp(A_log) < 0
         self.D = nn.Parameter(torch.empty(ed))
         self.out_proj = nn.Linear(ed, cfg.d_model, bias=cfg.bias)
@@ -322,17 +314,12 @@ class MambaMixer(nn.Module):
         """The official init of Δ, A and D; MambaLM calls it again after its generic init, which
         zeroes dt_proj's bias (every Δ would start at softplus(0) = 0.69)."""
         cfg = self.cfg
-        if cfg.selection_off:  # the same Δ init; B = 1 and a random C, as S4D initialises them
-            self.dt_bias.copy_(dt_bias_init(cfg.d_inner, cfg))
-            self.B.fill_(1.0)
-            self.C.normal_()
+        std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
+        if cfg.dt_init == "constant":
+            nn.init.constant_(self.dt_proj.weight, std)
         else:
-            std = cfg.dt_rank ** -0.5 * cfg.dt_scale  # keeps dt_proj's output O(1) for O(1) inputs
-            if cfg.dt_init == "constant":
-                nn.init.constant_(self.dt_proj.weight, std)
-            else:
-                nn.init.uniform_(self.dt_proj.weight, -std, std)
-            self.dt_proj.bias.copy_(dt_bias_init(cfg.d_inner, cfg))
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
+        self.dt_proj.bias.copy_(dt_bias_init(cfg.d_inner, cfg))
         # A = -(1, 2, ..., N) in every channel: a spread of decay rates (the S4D-real init)
         self.A_log.copy_(torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float32)).repeat(cfg.d_inner, 1))
         self.D.fill_(1.0)
@@ -345,11 +332,6 @@ class MambaMixer(nn.Module):
     def _ssm_inputs(self, x):
         """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
         cfg = self.cfg
-        if cfg.selection_off:  # the same Δ, B and C at every token: x alone varies
-            shape = x.shape[:-1]
-            delta = F.softplus(_at_least_fp32(self.dt_bias)).expand(*shape, cfg.d_inner)  # (..., ED)
-            B, C = (t.to(x.dtype).expand(*shape, cfg.d_state) for t in (self.B, self.C))  # (..., N) each
-            return delta, B, C
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         # The bias is added in fp32 (the official delta_bias): next to a bias of -2 to -7 bf16's
         # spacing is 1/64 to 1/32, a fifth to two fifths of the data-dependent part at init (std 0.07).
@@ -489,6 +471,8 @@ class MambaLM(nn.Module):
     def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer):
         super().__init__()
         self.cfg = cfg
+        if getattr(cfg, "selection_off", False):  # Mamba-1's ablation, section 10
+            mixer_cls = SelectionOffMixer
         self.backbone = MixerModel(cfg, mixer_cls)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -1854,7 +1838,51 @@ class MHA(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------
-# 10. Appendix: input checks
+# 10. Selection switched off: the time-invariant layer that selection replaced
+# ------------------------------------------------------------------------------------------------
+# An ablation, off in every official model. With MambaConfig(selection_off=True) Δ, B and C are
+# learned constants instead of functions of the token: the decay exp(Δ·A) is the same at every
+# step, the S4D-style layer of pscan.py section 2, whose SSM is one fixed convolution.
+# tasks/selective_copying.py trains both on the Mamba paper's selective copying task (§4.1.1).
+# Its checkpoints hold dt_bias, B and C where a selective model's hold x_proj and dt_proj.
+
+class SelectionOffMixer(MambaMixer):
+    """MambaMixer with Δ = softplus(dt_bias) per channel, and B and C one learned N-vector each."""
+
+    def __init__(self, cfg: MambaConfig):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        ed, n = cfg.d_inner, cfg.d_state
+        self.in_proj = nn.Linear(cfg.d_model, 2 * ed, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(ed, ed, cfg.d_conv, groups=ed, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(ed))  # Δ = softplus(dt_bias), one per channel
+        self.B = nn.Parameter(torch.empty(n))
+        self.C = nn.Parameter(torch.empty(n))
+        self.A_log = nn.Parameter(torch.empty(ed, n))
+        self.D = nn.Parameter(torch.empty(ed))
+        self.out_proj = nn.Linear(ed, cfg.d_model, bias=cfg.bias)
+        self.reset_ssm_parameters()
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self):
+        """MambaMixer's Δ, A and D init; B = 1 and a random C, as S4D initialises them."""
+        cfg = self.cfg
+        self.dt_bias.copy_(dt_bias_init(cfg.d_inner, cfg))
+        self.B.fill_(1.0)
+        self.C.normal_()
+        self.A_log.copy_(torch.log(torch.arange(1, cfg.d_state + 1, dtype=torch.float32)).repeat(cfg.d_inner, 1))
+        self.D.fill_(1.0)
+
+    def _ssm_inputs(self, x):
+        """The same Δ, B and C at every token: x alone varies. x (..., ED) -> (..., ED), (..., N), (..., N)."""
+        shape = x.shape[:-1]
+        delta = F.softplus(_at_least_fp32(self.dt_bias)).expand(*shape, self.cfg.d_inner)  # (..., ED)
+        B, C = (t.to(x.dtype).expand(*shape, self.cfg.d_state) for t in (self.B, self.C))  # (..., N) each
+        return delta, B, C
+
+
+# ------------------------------------------------------------------------------------------------
+# 11. Appendix: input checks
 # ------------------------------------------------------------------------------------------------
 # Bad input gets an error that names what was expected, before any work is done. None of these
 # checks reads a tensor's values except _check_token_range and _check_use's checks of seq_idx and
