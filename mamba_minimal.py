@@ -2,17 +2,12 @@
 mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
 official checkpoints.
 
-Read it top to bottom. Sections 1 to 5 are the whole model, and a model runs exactly their code
-with MambaConfig(scan_backend="reference"): section 2's selective scan and section 3's causal conv,
-differentiated by autograd. By default it runs section 6 instead, which computes the same numbers
-(the tests check it to rounding) with backwards written by hand, about twice as fast to train. The
-switch sits at the two call sites, MambaMixer.forward and MambaMixer.causal_conv, the two paths side
-by side. Sections 1 to 5 call nothing defined after them except through that switch, the loader
-behind from_pretrained (section 7), section 9's attention and MLP layers where a config asks for
-them, and the input checks of the appendix, which change nothing that a valid call computes.
-Section 6 makes it fast, section 7 loads checkpoints, section 8 explains the options that using a
-model for real needs (caches, packed sequences, padding), section 9 builds the official hybrid
-models (attention layers and MLPs among the mixers, for every generation).
+Read it top to bottom: sections 1 to 5 are the whole model. By default it runs their selective
+scan and causal conv through section 6's engine, which computes the same numbers (tested to
+rounding) about twice as fast to train; MambaConfig(scan_backend="reference") runs sections 2 and
+3's code itself. The two paths sit side by side at their call sites in MambaMixer, and sections 1 to
+5 call nothing defined after them but through that switch, the loader behind from_pretrained, the
+hybrid layers a config may ask for, and the input checks of the appendix.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -490,9 +485,6 @@ class MambaLM(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02)
         for layer in self.backbone.layers:
-            # With an MLP the official MixerModel divides by sqrt(2·n_layer), but MambaLMHeadModel then
-            # applies _init_weights again with n_residuals_per_layer = 1, which redraws these
-            # weights: its models end with 1/sqrt(n_layer) (mixer_seq_simple.py at e9594ce)
             for w in [layer.mixer.out_proj.weight] + ([] if layer.mlp is None else [layer.mlp.fc2.weight]):
                 nn.init.kaiming_uniform_(w, a=math.sqrt(5))
                 w /= math.sqrt(self.cfg.n_layer)
@@ -502,16 +494,10 @@ class MambaLM(nn.Module):
     def optim_groups(self, weight_decay):
         """AdamW parameter groups: matrices decay; A_log (decay would pull every A towards -1), D,
         norms and biases do not. Tied weights appear once."""
-        decay, no_decay = [], []
-        for name, p in self.named_parameters():
-            if not p.requires_grad:
-                continue
-            if p.dim() < 2 or name.endswith("A_log"):
-                no_decay.append(p)
-            else:
-                decay.append(p)
-        return [{"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0}]
+        params = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+        exempt = [p.dim() < 2 or name.endswith("A_log") for name, p in params]
+        return [{"params": [p for (_, p), e in zip(params, exempt) if not e], "weight_decay": weight_decay},
+                {"params": [p for (_, p), e in zip(params, exempt) if e], "weight_decay": 0.0}]
 
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
@@ -1610,7 +1596,10 @@ def seq_idx_from_cu_seqlens(cu_seqlens):
 #   d_intermediate > 0   a gated MLP (modules/mlp.py, GatedMLP) after each mixer, as a second
 #                        pre-norm residual sub-block with a norm of its own (norm2, modules/block.py):
 #                            h = h + mixer(norm(h)),     h = h + fc2(y·SiLU(g)),  [y, g] = fc1(norm2(h))
-#                        fc1 widens to twice the hidden width, d_intermediate rounded up to a multiple of 128
+#                        fc1 widens to twice the hidden width, d_intermediate rounded up to a multiple of 128;
+#                        fc2 starts like out_proj, divided by sqrt(n_layer) (the official MixerModel divides
+#                        by sqrt(2·n_layer), but MambaLMHeadModel then draws both again with 1/sqrt(n_layer):
+#                        mixer_seq_simple.py, _init_weights, at e9594ce)
 #   attn_layer_idx       the layers that run multi-head attention (modules/mha.py, MHA) instead of
 #   attn_cfg             the mixer, with the settings of attn_cfg
 #   rms_norm = false     LayerNorm (with a bias) instead of RMSNorm in every norm, norm_f included
