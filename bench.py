@@ -1313,7 +1313,8 @@ def bench_roofline(args, device):
                      else f"mamba (N {state}), {scan}, the scan's CPU form" if not gpu_form
                      else f"mamba (N {state}), {scan}{' = auto' if scan == chosen else ''}")
         elif arch in ("mamba2", "mamba3"):
-            label = f"{arch} (N {filled.d_state})"
+            mimo = f", MIMO rank {filled.mimo_rank}" if getattr(filled, "mimo_rank", None) else ""
+            label = f"{arch} (N {filled.d_state}{mimo})"
         gb = sum(k["bytes"] for k in kernels) / 1e9
         tflop = sum(k["flops"] for k in kernels) / 1e12
         rows.append([label, f"{n_params / 1e6:.2f}M", f"{len(kernels):,}", f"{gb:.1f}", f"{tflop:.2f}",

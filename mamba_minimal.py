@@ -767,20 +767,20 @@ def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
 #              dLoss/d(Δ·A) (two passes, see _gpu_backward) and its sums over N and
 #              over (b, L), two batched matmuls                                      7 U
 #
-# 22 U, 17.7 GB a layer: 116 GB of the step's 155 GB, counted. The CPU form would move 296 GB
+# 22 U, 17.7 GB a layer: 116 GB of the step's 155 GB, counted. The CPU form would move 294 GB
 # (the same command's row for it, with pscan.py's tree): its per-state loop makes about eight
 # passes over every (b, L, ED) slice, which a CPU's cache absorbs and a GPU pays in full, and
 # the tree moves 11 U per scan against the loop's 4. 22 U is about the least that
 # states in memory allow: the forward writes dA and h and reads them back, the backward writes
 # G and reads it, h and dA back. At an H100's 3.35 TB/s, 155 GB take 46 ms; the step's
-# matmuls, 0.6 TFLOP, under 1 ms. The loop's price is kernels: 255 a scan, 3,927 in the step,
+# matmuls, 0.6 TFLOP, under 1 ms. The loop's price is kernels: 255 a scan, 3,915 in the step,
 # which the CPU issues while the GPU works through the large ones (pscan.py, appendix C).
 #
 # The paper's answer (§3.3) is not to keep the states in memory at all: its kernel reads x, Δ,
 # A, B, C, D and z once, holds each channel's N states in on-chip memory (SRAM) while it walks
 # the sequence, writes y once, and recomputes the states in the backward. The same step would
-# then move 33 GB, the scan's share 3 GB, in 621 kernels (the command's "ideal fused scan"
-# row): 4-5x faster than the GPU form, by the model. The fused path below is that idea in
+# then move 33 GB, the scan's share 3 GB, in 609 kernels (the command's "ideal fused scan"
+# row): 4.6-4.9x faster than the GPU form, by the model. The fused path below is that idea in
 # PyTorch: compiled, Inductor fuses a chunk of T steps into one kernel that keeps its states in
 # registers and cache.
 #
