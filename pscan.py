@@ -384,8 +384,8 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 # ------------------------------------------------------------------------------------------------
 # 9. One entry point
 # ------------------------------------------------------------------------------------------------
-# "auto" runs pscan, or the loop for forward-only passes over wide steps on one CPU thread
-# (appendix C). Hillis-Steele and the two-level scan teach and count: on the CPUs of RESULTS.md
+# "auto" runs pscan, or the loop for forward-only passes over wide steps, on one CPU thread or on
+# a GPU (appendix C). Hillis-Steele and the two-level scan teach and count: on the CPUs of RESULTS.md
 # both are slower than pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B).
 
 BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative")
