@@ -350,6 +350,7 @@ def test_auto_runs_the_loop_on_a_gpu_at_the_trainers_cuda_default():
     assert pscan.choose_backend(a, a) == "sequential"
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap runs addcmul_ per sample
 @pytest.mark.parametrize("backend", EAGER)
 def test_torch_func_grad_and_vmap_equal_the_float64_loop(form, backend):
     x, delta, A, B, C, D, z, h0 = inputs()
