@@ -821,7 +821,8 @@ def _gpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
     grad_C = (grad_y.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, N)  Σ_ed grad_y·h  1 U
     # dLoss/d(Δ_t·A) = G_t·dA_t·h_{t-1}, without reading dA: one step of G's recurrence says
     # dA_t·G_t = G_{t-1} - grad_y_{t-1}·C_{t-1}. So G becomes, in place, at each t < L-1 the
-    # value for step t+1: (G_t - grad_y_t·C_t)·h_t (at L-1: nothing, left out below)
+    # value for step t+1: (G_t - grad_y_t·C_t)·h_t. At L-1 it belongs to no step: Δ_{t+1} = 0
+    # and the shift below leave it out
     through_dA = G.addcmul_(grad_y.unsqueeze(-1), C.unsqueeze(-2), value=-1).mul_(h)  # 2 U + 3 U
     b, L, ed, n = G.shape
     per_channel = through_dA.view(b * L, ed, n).transpose(0, 1)  # (ED, b·L, N), a view
@@ -878,11 +879,11 @@ class _SelectiveScan(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_last, *_):
         x, delta, A, B, C, D, z, h0, dA, h, y_skip, silu_z = ctx.saved_tensors
-        # an output that reached no loss has no gradient: the final state's, in training
-        grad_out = torch.zeros_like(x) if grad_out is None else grad_out  # (b, L, ED)
-        if grad_last is None and torch.is_grad_enabled():
-            grad_last = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])  # (b, ED, N)
+        if grad_out is None:  # an output that reached no loss has no gradient (the final state, in training)
+            grad_out = torch.zeros_like(x)  # (b, L, ED)
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will follow
+            if grad_last is None:
+                grad_last = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])  # (b, ED, N)
             return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None, None, None)
         with _autocast_off(x.device):
             grad_y, grad_z = grad_out, None  # (b, L, ED)
