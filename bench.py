@@ -42,9 +42,13 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import fields as dataclass_fields
 
 import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import mamba_minimal as mm
 import pscan as ps
@@ -1086,7 +1090,7 @@ def bench_mamba3(args, device):
 #
 #     a kernel's time = max(bytes / bandwidth, FLOPs / FLOP rate) + KERNEL_US,
 #
-# where eager kernels that stream large tensors come within 1.1-1.5x of the first term. The CPU
+# a lower bound for the first term: real kernels reach less than the datasheet's peaks. The CPU
 # issues the kernels one after another, LAUNCH_US each (Python, dispatch, autograd), and the GPU
 # runs each once it is issued and the one before has finished; the step's modelled time is when
 # the last one ends. So a step of many small kernels is bound by the CPU, one of few large ones
@@ -1112,16 +1116,17 @@ LAUNCH_US = 8.0  # what issuing one eager op costs the CPU (Python, dispatch, au
 ROOFLINE_GPUS = {  # datasheet peaks: HBM bytes/s; dense FLOP/s of bf16 (fp16 on the T4) and fp32
     # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 3.35 TB/s, BF16 989 TFLOPS (1,979 with
     # sparsity), FP32 67 TFLOPS, 80 GB
-    "H100 SXM": dict(bandwidth=3.35e12, half=989e12, fp32=67e12, memory_gb=80),
+    "H100 SXM": dict(bandwidth=3.35e12, half=989e12, fp32=67e12),
     # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 4.8 TB/s, the H100's compute, 141 GB
-    "H200": dict(bandwidth=4.8e12, half=989e12, fp32=67e12, memory_gb=141),
+    "H200": dict(bandwidth=4.8e12, half=989e12, fp32=67e12),
     # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM: 2,039 GB/s, BF16 312 TFLOPS, FP32 19.5
-    "A100 80GB": dict(bandwidth=2.039e12, half=312e12, fp32=19.5e12, memory_gb=80),
+    "A100 80GB": dict(bandwidth=2.039e12, half=312e12, fp32=19.5e12),
     # NVIDIA T4 Tensor Core GPU datasheet: 320 GB/s, mixed-precision FP16 65 TFLOPS, FP32 8.1 TFLOPS,
     # 16 GB; no bf16 (the trainer takes --dtype fp16 there: the same bytes)
-    "T4": dict(bandwidth=320e9, half=65e12, fp32=8.1e12, memory_gb=16),
+    "T4": dict(bandwidth=320e9, half=65e12, fp32=8.1e12),
 }
-ROOFLINE_BACKENDS = ("sequential", "pscan", "hillis_steele", "two_level")  # the eager scans that run on CUDA as here
+# the eager scans; "associative" asks torch for a compiled scan on CUDA, which no count of eager ops sees
+ROOFLINE_BACKENDS = ("sequential", "pscan", "hillis_steele", "two_level")
 ROOFLINE_ARCHS = ("mamba", "mamba2", "mamba3", "gpt")
 
 
@@ -1134,7 +1139,7 @@ def _unique_bytes(t):
     return n * t.element_size()
 
 
-class StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
+class StepCounter(TorchDispatchMode):
     """Counts every kernel that runs under it: (op, phase, bytes, FLOPs, half precision or not,
     shape of the first tensor argument) in self.kernels, and the live tensor bytes (self.live,
     with its highest value in self.peak)."""
@@ -1153,7 +1158,6 @@ class StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.kernels.append(dict(op=op, phase=self.phase, bytes=nbytes, flops=flops, half=half, shape=shape))
 
     def _track(self, t):
-        import weakref
         storage = t.untyped_storage()
         if id(storage) in self._storages:
             return
@@ -1167,8 +1171,6 @@ class StepCounter(torch.utils._python_dispatch.TorchDispatchMode):
         weakref.finalize(storage, free)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils._pytree import tree_flatten
-        from torch.utils import flop_counter
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
