@@ -637,18 +637,23 @@ def _sample(logits, temperature, top_k, top_p, generator):  # generate checked t
 #
 # The eager forward has every state in memory anyway, so each Σ above is a pass over the whole
 # sequence, and G is one reverse scan, run by the forward's own backend (in place for the
-# "sequential" and "pscan" backends that "auto" picks). The forward
-# keeps its inputs, the decays dA and the states h: recomputing dA would save memory, but exp is
-# the dearest op of the forward (`python bench.py profile`). On a CPU, what these passes cost is
-# memory traffic: a (b, L, N, ED) tensor (2.0 MB at the trainer's CPU shape) is larger than a core's
-# L2 cache, so each pass over a whole one goes out to the L3 cache or to memory. The backward
-# therefore works one state n at a time: several sums read each (b, L, ED) slice of G, dA and h
-# (1.0 MB each) in turn while it is still in a cache, L2 or L3, instead of making a pass over each
-# whole tensor.
+# "sequential" and "pscan" backends that "auto" picks). The forward keeps its inputs, the decays
+# dA and the states h: recomputing dA would save memory, but exp is the dearest op of the forward
+# (`python bench.py profile`).
 #
-# Layout: inside _SelectiveScan the states are (b, L, N, ED), ED last, not section 1's
-# (b, L, ED, N). With N as small as 2 (the trainer's CPU default), a last dimension of N would make
-# every broadcast and every sum over N run along 2 values, where one AVX-512 register holds 16 fp32
+# Two forms compute these formulas: one for a CPU and one for a GPU, since what a pass costs
+# differs. The same numbers to rounding, tested against the same float64 loop; _SelectiveScan
+# runs the CPU form on a CPU and the GPU form on any other device (_gpu_form).
+#
+# The CPU form. What the passes cost is memory traffic: a (b, L, N, ED) tensor (2.0 MB at the
+# trainer's CPU shape) is larger than a core's L2 cache, so each pass over a whole one goes out
+# to the L3 cache or to memory. The backward therefore works one state n at a time: several sums
+# read each (b, L, ED) slice of G, dA and h (1.0 MB each) in turn while it is still in a cache,
+# L2 or L3, instead of making a pass over each whole tensor.
+#
+# Layout: in the CPU form the states are (b, L, N, ED), ED last, not section 1's (b, L, ED, N).
+# With N as small as 2 (the trainer's CPU default), a last dimension of N would make every
+# broadcast and every sum over N run along 2 values, where one AVX-512 register holds 16 fp32
 # values; with ED last they run along 320 contiguous values, and the read-out C·h is a batched
 # (1, N) @ (N, ED) matmul.
 
@@ -697,96 +702,231 @@ def _without_autocast(fn):
     return run
 
 
+def _cpu_forward(x, delta, A, B, C, h0, backend, reset):
+    """The CPU form's states and read-out: y = C·h (b, L, ED), dA and h (b, L, N, ED)."""
+    A_transposed = A.t().contiguous()  # (N, ED), contiguous so that the broadcast reads it in order
+    dA = torch.mul(delta.unsqueeze(-2), A_transposed).exp_()  # (b, L, N, ED)  exp(Δ·A)
+    if reset is not None:  # saved with its zeros: the backward's G_t and dLoss/d(Δ·A) stop there
+        dA.masked_fill_(reset[:, :, None, None], 0)
+    h = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x, scanned into h
+    if h0 is not None:  # h_0 = dA_0·h0 + dBx_0
+        h[:, 0].addcmul_(dA[:, 0], h0.transpose(1, 2))
+    h = _scan_in_place(h, dA, backend)  # (b, L, N, ED)
+    y = (C.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, ED)  C_t·h_t
+    return y, dA, h
+
+
+def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
+    """The CPU form's gradients of x, Δ, A, B, C, h0 (the skip and the gate aside)."""
+    G = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  the read-out's share of G_t
+    if grad_last is not None:
+        G[:, -1] += grad_last.transpose(1, 2)
+    G = _scan_in_place(G, dA, backend, reverse=True)  # (b, L, N, ED)  G_t in total
+    # The rest, one state n at a time: each step reads the n-th (b, L, ED) slices of G, dA and h
+    # once and works on them while they are in the CPU's cache, instead of making several passes
+    # over the whole (b, L, N, ED) tensors, which do not fit in it.
+    delta_x = delta * x  # (b, L, ED)
+    GB = torch.zeros_like(G[:, :, 0])  # (b, L, ED)  Σ_n G_t·B_t
+    through_A = torch.zeros_like(GB)  # (b, L, ED)  Σ_n dLoss/d(Δ_t·A)·A
+    grad_A, grad_B, grad_C = [], [], []  # one entry per state, stacked at the end
+    h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
+    for n in range(A.shape[1]):
+        G_n, dA_n, h_n = G[:, :, n], dA[:, :, n], h[:, :, n]  # (b, L, ED) each
+        grad_B.append(torch.linalg.vecdot(G_n, delta_x))  # (b, L)  Σ_ed G·Δ·x
+        grad_C.append(torch.linalg.vecdot(h_n, grad_y))  # (b, L)  Σ_ed grad_y·h
+        GB.addcmul_(G_n, B[..., n, None])
+        through_dA = G_n * dA_n  # dLoss/d(Δ_t·A) = G_t·dA_t·h_{t-1}
+        through_dA[:, 1:].mul_(h_n[:, :-1])
+        if h_start is None:
+            through_dA[:, 0].zero_()
+        else:
+            through_dA[:, 0].mul_(h_start[:, n])
+        through_A.addcmul_(through_dA, A[:, n])
+        grad_A.append(through_dA.mul_(delta).sum((0, 1)))  # (ED,)
+    grad_x = delta * GB  # (b, L, ED)
+    grad_delta = through_A.addcmul_(x, GB)  # (b, L, ED)
+    grad_h0 = None if h0 is None else (dA[:, 0] * G[:, 0]).transpose(1, 2)  # (b, ED, N)
+    return grad_x, grad_delta, torch.stack(grad_A, -1), torch.stack(grad_B, -1), torch.stack(grad_C, -1), grad_h0
+
+
+# On a GPU: where the bytes go. A GPU does these formulas' arithmetic far faster than it can
+# fetch their operands, so what an eager step costs is nearly the bytes it moves between the
+# GPU's memory (HBM) and its cores, plus a few microseconds for each kernel (every eager op is
+# one). `python bench.py roofline` counts both, op by op and without a GPU, for one training
+# step at the trainer's CUDA default: batch 64, block 256, 6 layers of width 384, N = 16, bf16
+# autocast. There a (b, L, ED, N) fp32 tensor is U = 64·256·768·16·4 B = 805 MB, 16 times any
+# (b, L, ED) one, and every op that reads or writes one moves U. The rest of a layer (the
+# projections, the conv, the norms, the casts) moves about 5 GB; the scan, in the GPU form below:
+#
+#   forward    dA = exp(Δ·A), written once                                          1 U
+#              Δ·B·x, written into h                                                1 U
+#              the recurrence in place, the loop: reads dA_t, h_t, h_{t-1}, writes h_t   4 U
+#              the read-out C·h, a batched matmul reading h                          1 U
+#   backward   grad_y·C written into G, the reverse recurrence in place             5 U
+#              grad_B, G·B and grad_C, batched matmuls reading G, G and h            3 U
+#              dLoss/d(Δ·A) (two passes, see _gpu_backward) and its sums over N and
+#              over (b, L), two batched matmuls                                      7 U
+#
+# 22 U, 17.7 GB a layer: 116 GB of the step's 155 GB, counted. The CPU form would move 294 GB
+# (the same command's row for it, with pscan.py's tree): its per-state loop makes about eight
+# passes over every (b, L, ED) slice, which a CPU's cache absorbs and a GPU pays in full, and
+# the tree moves 11 U per scan against the loop's 4. 22 U is about the least that
+# states in memory allow: the forward writes dA and h and reads them back, the backward writes
+# G and reads it, h and dA back. At an H100's 3.35 TB/s, 155 GB take 46 ms; the step's
+# matmuls, 0.6 TFLOP, under 1 ms. The loop's price is kernels: 255 a scan, 3,915 in the step,
+# which the CPU issues while the GPU works through the large ones (pscan.py, appendix C).
+#
+# The paper's answer (§3.3) is not to keep the states in memory at all: its kernel reads x, Δ,
+# A, B, C, D and z once, holds each channel's N states in on-chip memory (SRAM) while it walks
+# the sequence, writes y once, and recomputes the states in the backward. The same step would
+# then move 33 GB, the scan's share 3 GB, in 609 kernels (the command's "ideal fused scan"
+# row): 4.6-4.9x faster than the GPU form, by the model. The fused path below is that idea in
+# PyTorch: compiled, Inductor fuses a chunk of T steps into one kernel that keeps its states in
+# registers and cache.
+#
+# The GPU form: the states in section 1's layout (b, L, ED, N), so that every contraction of the
+# backward is a batched matmul (cuBLAS reads its operand once) instead of a product and a sum
+# (which write the product and read it again); and the fewest passes over U, noted on each line.
+
+def _gpu_forward(x, delta, A, B, C, h0, backend, reset):
+    """The GPU form's states and read-out: y = C·h (b, L, ED), dA and h (b, L, ED, N)."""
+    # exp(Δ·A) = (e^(A/s))^(Δ·s): one pass writing U from two small tensors, where exp of the
+    # product would write U, then read and write it again. s per channel keeps e^(A/s) at least
+    # e^-80, a normal fp32 number (e^A itself underflows below A = -104). The price is precision:
+    # a relative error of about |Δ·A| + Δ·s ulps against exp's |Δ·A| + 1, the same where |A| < 80,
+    # and 4e-6 on the outputs with rates down to A = -1000 and steps up to Δ = 20
+    # (test_selective_scan.py); bf16 autocast rounds the projections around the scan at 4e-3
+    s = (A.abs().amax(-1) / 80).clamp(min=torch.finfo(A.dtype).tiny)  # (ED,)
+    dA = torch.pow(torch.exp(A / s[:, None]), (delta * s).unsqueeze(-1))  # (b, L, ED, N)  1 U
+    if reset is not None:
+        dA.masked_fill_(reset[:, :, None, None], 0)
+    h = (delta * x).unsqueeze(-1) * B.unsqueeze(-2)  # (b, L, ED, N)  Δ·B·x  1 U
+    if h0 is not None:
+        h[:, 0].addcmul_(dA[:, 0], h0)
+    h = _scan_in_place(h, dA, backend)  # (b, L, ED, N)  4 U with the loop
+    y = (h @ C.unsqueeze(-1)).squeeze(-1)  # (b, L, ED)  C_t·h_t  1 U
+    return y, dA, h
+
+
+def _gpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
+    """The GPU form's gradients of x, Δ, A, B, C, h0 (the skip and the gate aside)."""
+    G = grad_y.unsqueeze(-1) * C.unsqueeze(-2)  # (b, L, ED, N)  the read-out's share of G_t  1 U
+    if grad_last is not None:
+        G[:, -1] += grad_last
+    G = _scan_in_place(G, dA, backend, reverse=True)  # (b, L, ED, N)  G_t in total  4 U
+    grad_h0 = None if h0 is None else dA[:, 0] * G[:, 0]  # (b, ED, N)
+    delta_x = delta * x  # (b, L, ED)
+    grad_B = (delta_x.unsqueeze(-2) @ G).squeeze(-2)  # (b, L, N)  Σ_ed G·Δ·x  1 U
+    GB = (G @ B.unsqueeze(-1)).squeeze(-1)  # (b, L, ED)  Σ_n G·B  1 U
+    grad_C = (grad_y.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, N)  Σ_ed grad_y·h  1 U
+    # dLoss/d(Δ_t·A) = G_t·dA_t·h_{t-1}, without reading dA: one step of G's recurrence says
+    # dA_t·G_t = G_{t-1} - grad_y_{t-1}·C_{t-1}. So G becomes, in place, at each t < L-1 the
+    # value for step t+1: (G_t - grad_y_t·C_t)·h_t. At L-1 it belongs to no step: Δ_{t+1} = 0
+    # and the shift below leave it out
+    through_dA = G.addcmul_(grad_y.unsqueeze(-1), C.unsqueeze(-2), value=-1).mul_(h)  # 2 U + 3 U
+    b, L, ed, n = G.shape
+    per_channel = through_dA.view(b * L, ed, n).transpose(0, 1)  # (ED, b·L, N), a view
+    # Σ_n A·dLoss/d(Δ·A) per token and Σ_{b,t} Δ·dLoss/d(Δ·A) per (ed, n): batched over the channels
+    through_A = torch.bmm(per_channel, A.unsqueeze(-1)).squeeze(-1).t().view(b, L, ed)  # 1 U
+    delta_next = F.pad(delta[:, 1:], (0, 0, 0, 1))  # (b, L, ED)  Δ_{t+1}, and 0 for the last t
+    grad_A = torch.bmm(delta_next.view(b * L, ed).t().unsqueeze(1), per_channel).squeeze(1)  # (ED, N)  1 U
+    grad_x = delta * GB  # (b, L, ED)
+    grad_delta = x * GB  # (b, L, ED)
+    grad_delta[:, 1:] += through_A[:, :-1]
+    if h0 is not None:  # step 0's dLoss/d(Δ_0·A) = G_0·dA_0·h0
+        first = grad_h0 * h0  # (b, ED, N)
+        grad_delta[:, 0] += (first * A).sum(-1)
+        grad_A += (first * delta[:, 0, :, None]).sum(0)
+    return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_h0
+
+
 class _SelectiveScan(torch.autograd.Function):
-    """selective_scan_reference's forward; the backward above. Takes fp32 or fp64 tensors, and
-    computes in their dtype whatever autocast says: under bf16 autocast the read-out C·h, a
-    matmul, would be rounded to bf16."""
+    """selective_scan_reference's forward; the backward above, in the CPU or the GPU form. Takes
+    fp32 or fp64 tensors, and computes in their dtype whatever autocast says: under bf16 autocast
+    the read-out C·h, a matmul, would be rounded to bf16.
+
+    Forward-mode AD (torch.func.jvp) has no rule here, and torch says so (a NotImplementedError);
+    torch.func.grad and vmap work through it. The forward's intermediate tensors go to the
+    backward as extra outputs, which the setup_context form asks for."""
+
+    generate_vmap_rule = True  # torch.func.vmap runs forward and backward on batched tensors
 
     @staticmethod
-    def forward(ctx, x, delta, A, B, C, D, z, h0, backend, reset):
+    def forward(x, delta, A, B, C, D, z, h0, backend, reset, gpu_form):
         with _autocast_off(x.device):
-            A_transposed = A.t().contiguous()  # (N, ED), contiguous so that the broadcast reads it in order
-            dA = torch.mul(delta.unsqueeze(-2), A_transposed).exp_()  # (b, L, N, ED)  exp(Δ·A)
-            if reset is not None:  # saved with its zeros: the backward's G_t and dLoss/d(Δ·A) stop there
-                dA.masked_fill_(reset[:, :, None, None], 0)
-            h = (delta * x).unsqueeze(-2) * B.unsqueeze(-1)  # (b, L, N, ED)  Δ·B·x, scanned into h
-            if h0 is not None:  # h_0 = dA_0·h0 + dBx_0
-                h[:, 0].addcmul_(dA[:, 0], h0.transpose(1, 2))
-            if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
-                backend = pscan.choose_backend(dA, h)
-            h = _scan_in_place(h, dA, backend)  # (b, L, N, ED)
-            y = (C.unsqueeze(-2) @ h).squeeze(-2)  # (b, L, ED)  C_t·h_t
+            if gpu_form:
+                y, dA, h = _gpu_forward(x, delta, A, B, C, h0, backend, reset)  # (b, L, ED), states (b, L, ED, N)
+                h_last = h[:, -1].clone()  # (b, ED, N)
+            else:
+                y, dA, h = _cpu_forward(x, delta, A, B, C, h0, backend, reset)  # (b, L, ED), states (b, L, N, ED)
+                h_last = h[:, -1].transpose(1, 2).contiguous()  # (b, ED, N)
             if D is not None:
-                y.addcmul_(x, D)  # y + D·x, saved so that the backward need not add it again
-            silu_z = None if z is None else F.silu(z)
-            out = y if z is None else y * silu_z
-        ctx.backend, ctx.reset = backend, reset
-        ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y, silu_z)  # also dA, h, y + D·x, SiLU(z)
-        return out, h[:, -1].transpose(1, 2).contiguous()  # (b, L, ED), (b, ED, N)
+                y.addcmul_(x, D)  # y + D·x, kept so that the backward need not add it again
+            if z is None:
+                return y, h_last, dA, h, None, None
+            silu_z = F.silu(z)
+            return y * silu_z, h_last, dA, h, y, silu_z  # (b, L, ED), (b, ED, N), then what the backward needs
 
     @staticmethod
-    def backward(ctx, grad_out, grad_last):
+    def setup_context(ctx, inputs, output):
+        x, delta, A, B, C, D, z, h0, backend, reset, gpu_form = inputs
+        _, _, dA, h, y_skip, silu_z = output
+        ctx.mark_non_differentiable(*(t for t in output[2:] if t is not None))
+        ctx.set_materialize_grads(False)  # else autograd hands the backward a zero tensor per extra output
+        ctx.save_for_backward(x, delta, A, B, C, D, z, h0, dA, h, y_skip, silu_z)
+        ctx.backend, ctx.reset, ctx.gpu_form = backend, reset, gpu_form
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_last, *_):
         x, delta, A, B, C, D, z, h0, dA, h, y_skip, silu_z = ctx.saved_tensors
+        if grad_out is None:  # an output that reached no loss has no gradient (the final state, in training)
+            grad_out = torch.zeros_like(x)  # (b, L, ED)
         if torch.is_grad_enabled():  # create_graph=True: a second derivative will follow
-            return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None, None)
+            if grad_last is None:
+                grad_last = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])  # (b, ED, N)
+            return (*_recorded_gradients(ctx, (x, delta, A, B, C, D, z, h0), grad_out, grad_last), None, None, None)
         with _autocast_off(x.device):
             grad_y, grad_z = grad_out, None  # (b, L, ED)
             if z is not None:
                 grad_z = torch.ops.aten.silu_backward(grad_out * y_skip, z)  # grad_out·(y + D·x)·SiLU'(z)
                 grad_y = grad_out * silu_z
-            G = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  the read-out's share of G_t
-            G[:, -1] += grad_last.transpose(1, 2)
-            G = _scan_in_place(G, dA, ctx.backend, reverse=True)  # (b, L, N, ED)  G_t in total
-            # The rest, one state n at a time: each step reads the n-th (b, L, ED) slices of G, dA
-            # and h once and works on them while they are in the CPU's cache, instead of making
-            # several passes over the whole (b, L, N, ED) tensors, which do not fit in it.
-            delta_x = delta * x  # (b, L, ED)
-            GB = torch.zeros_like(x)  # (b, L, ED)  Σ_n G_t·B_t
-            through_A = torch.zeros_like(x)  # (b, L, ED)  Σ_n dLoss/d(Δ_t·A)·A
-            grad_A, grad_B, grad_C = torch.empty_like(A), torch.empty_like(B), torch.empty_like(C)
-            h_start = None if h0 is None else h0.transpose(1, 2)  # (b, N, ED)
-            for n in range(A.shape[1]):
-                G_n, dA_n, h_n = G[:, :, n], dA[:, :, n], h[:, :, n]  # (b, L, ED) each
-                grad_B[..., n] = torch.linalg.vecdot(G_n, delta_x)  # Σ_ed G·Δ·x
-                grad_C[..., n] = torch.linalg.vecdot(h_n, grad_y)  # Σ_ed grad_y·h
-                GB.addcmul_(G_n, B[..., n, None])
-                through_dA = G_n * dA_n  # dLoss/d(Δ_t·A) = G_t·dA_t·h_{t-1}
-                through_dA[:, 1:].mul_(h_n[:, :-1])
-                if h_start is None:
-                    through_dA[:, 0].zero_()
-                else:
-                    through_dA[:, 0].mul_(h_start[:, n])
-                through_A.addcmul_(through_dA, A[:, n])
-                grad_A[:, n] = through_dA.mul_(delta).sum((0, 1))
-            grad_x = delta * GB  # (b, L, ED)
-            grad_delta = through_A.addcmul_(x, GB)  # (b, L, ED)
-            grad_D = grad_h0 = None
+            backward = _gpu_backward if ctx.gpu_form else _cpu_backward
+            grad_x, grad_delta, grad_A, grad_B, grad_C, grad_h0 = backward(
+                grad_y, grad_last, x, delta, A, B, C, h0, dA, h, ctx.backend)
+            grad_D = None
             if D is not None:
                 grad_D = (grad_y * x).sum((0, 1))  # (ED,)
                 grad_x.addcmul_(grad_y, D)
-            if h0 is not None:
-                grad_h0 = (dA[:, 0] * G[:, 0]).transpose(1, 2)  # (b, ED, N)
-        return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None, None
-
-    @staticmethod
-    def jvp(ctx, *tangents):  # forward-mode AD: no rule, and never a silent zero
-        raise RuntimeError("forward-mode AD (jvp) is not implemented for selective_scan's hand-written "
-                           "backward; differentiate selective_scan_reference instead, which supports it")
+        return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, grad_h0, None, None, None
 
 
 def _recorded_gradients(ctx, inputs, grad_out, grad_last):
     """The gradients as a graph that can be differentiated again (a Hessian, a gradient penalty):
-    selective_scan_reference recomputed under autograd and differentiated with create_graph. Only
-    then; a plain backward takes the lean path above."""
+    the vector-Jacobian product of selective_scan_reference, recomputed under autograd. Only
+    then; a plain backward takes the lean path above. torch.func.vjp rather than
+    torch.autograd.grad: it records at whatever level of torch.func's transforms (grad, vmap)
+    the backward runs, as well as under plain autograd."""
     wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+
+    def reference(*live):  # the wanted inputs as arguments, the others fixed
+        full = list(inputs)
+        for i, t in zip(wanted, live):
+            full[i] = t
+        return selective_scan_reference(*full, backend=ctx.backend, reset=ctx.reset)
+
     with torch.enable_grad():
-        y, h_last = selective_scan_reference(*inputs, backend=ctx.backend, reset=ctx.reset)
-        found = torch.autograd.grad((y, h_last), [inputs[i] for i in wanted], (grad_out, grad_last),
-                                    create_graph=True)
+        _, vjp = torch.func.vjp(reference, *(inputs[i] for i in wanted))
+        found = vjp((grad_out, grad_last))
     grads = [None] * len(inputs)
     for i, g in zip(wanted, found):
         grads[i] = g
     return grads
+
+
+def _gpu_form(device):
+    """Whether _SelectiveScan runs its GPU form: on any device but a CPU. (The tests, and the
+    model of `python bench.py roofline`, run it on a CPU by replacing this function.)"""
+    return device.type != "cpu"
 
 
 def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
@@ -795,7 +935,10 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
     for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
-    return _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend, reset)
+    if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
+        backend = pscan.backend_for(x.device, x.shape[0] * x.shape[2] * A.shape[1], needs_grad=False)
+    y, h_last, *_ = _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend, reset, _gpu_form(x.device))
+    return y, h_last
 
 
 class _CausalConv(torch.autograd.Function):

@@ -26,8 +26,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["scan_sequential", "scan_time_invariant", "pscan", "scan_hillis_steele", "scan_two_level",
-           "scan_chunked", "scan", "BACKENDS", "scan_associative", "choose_backend", "count_combines",
-           "segsum"]
+           "scan_chunked", "scan", "BACKENDS", "scan_associative", "choose_backend", "backend_for",
+           "count_combines", "segsum"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,8 +384,8 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 # ------------------------------------------------------------------------------------------------
 # 9. One entry point
 # ------------------------------------------------------------------------------------------------
-# "auto" runs pscan, or the loop for forward-only passes over wide steps on one CPU thread
-# (appendix C). Hillis-Steele and the two-level scan teach and count: on the CPUs of RESULTS.md
+# "auto" runs pscan, or the loop for forward-only passes over wide steps, on one CPU thread or on
+# a GPU (appendix C). Hillis-Steele and the two-level scan teach and count: on the CPUs of RESULTS.md
 # both are slower than pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B).
 
 BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative")
@@ -527,10 +527,22 @@ def scan_associative(a, b, h0=None):
 # gets wider, on one thread only: `python bench.py crossover` (L = 1024) on that CPU found, with
 # one thread, the loop and pscan level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x at 16384,
 # 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every width, so
-# the loop is chosen only where torch runs one thread. On a GPU the loop would pay a kernel
-# launch for every step, so the tree is expected to win there (not measured by this project).
+# the loop is chosen only where torch runs one thread.
+#
+# On a GPU every one of the loop's L - 1 steps is a kernel of its own, with a fixed cost of a few
+# microseconds on the GPU and more on the CPU that issues it, while the tree runs about
+# 3·log2(L) kernels but moves about 11 values per element against the loop's 4 (section 5: each
+# level reads and writes its pairs and multiplies the multipliers of the level above). The loop
+# wins once a step is wide enough for its bytes to outweigh those fixed costs. By
+# `python bench.py roofline`, a model of a training step, not a measurement (RESULTS.md), for
+# Mamba-1 at the trainer's CUDA defaults with the batch varied: on the H100 and the H200 the
+# loop overtakes the tree between 400 and 600 thousand values per step, hence the threshold
+# below, and on the A100 and the T4, which have less bandwidth, lower; at the default, 786,432
+# values (64 x 768 x 16), the loop's step is 1.1x (H200) to 1.4x (T4) faster. Again forward
+# only: with a backward, the loop's autograd graph would record L steps.
 
 CPU_LOOP_MIN_WIDTH = 8192
+GPU_LOOP_MIN_WIDTH = 2 ** 19
 
 
 def choose_backend(a, b, h0=None):
@@ -538,9 +550,18 @@ def choose_backend(a, b, h0=None):
     _check_inputs(a, b, h0)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (a, b, h0))
-    wide = a[:, 0].numel() >= CPU_LOOP_MIN_WIDTH
-    one_thread = torch.get_num_threads() == 1
-    return "sequential" if a.device.type == "cpu" and wide and one_thread and not needs_grad else "pscan"
+    return backend_for(a.device, a[:, 0].numel(), needs_grad)
+
+
+def backend_for(device, width, needs_grad):
+    """choose_backend's rule, from the device, the width of one step and whether autograd records."""
+    if needs_grad:
+        return "pscan"
+    if device.type == "cpu":
+        # read only on a CPU: torch.compile cannot trace this call (a graph break)
+        wide, one_thread = width >= CPU_LOOP_MIN_WIDTH, torch.get_num_threads() == 1
+        return "sequential" if wide and one_thread else "pscan"
+    return "sequential" if width >= GPU_LOOP_MIN_WIDTH else "pscan"
 
 
 # ------------------------------------------------------------------------------------------------

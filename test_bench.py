@@ -128,3 +128,54 @@ def test_bench_decode_builds_transformers_twins_that_generate_the_same_tokens(ca
     args = argparse.Namespace(quick=True, repeats=1, threads=1, no_compile=True, shapes=None)
     bench.bench_decode(args, torch.device("cpu"))
     assert "| mamba3 128 x 7, d_state 32 |       1 |           ours |" in capsys.readouterr().out
+
+
+def test_the_roofline_counter_counts_bytes_flops_and_kernels_as_by_hand():
+    # bench.py roofline's StepCounter on ops whose traffic is easy to count: a bf16 matmul reads
+    # its two operands and writes its result (2 bytes each) and does 2·m·k·n FLOPs; an in-place
+    # multiply-add reads its tensor, its operands (a broadcast one once) and writes its tensor;
+    # a view moves nothing; a copy reads and writes; zeros only writes
+    a, w = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 4, dtype=torch.bfloat16)
+    h, u, row = torch.randn(3, 5), torch.randn(3, 5), torch.randn(1, 5)
+    with bench.StepCounter() as counter:
+        a @ w
+        h.addcmul_(u, row.expand(3, 5))  # h (3, 5) fp32 in place, u (3, 5), one row read for 3
+        h[:, 1:].t()
+        h.t().contiguous()
+        torch.zeros(7, 2)
+    ops = [(k["op"], k["bytes"], k["flops"], k["half"]) for k in counter.kernels]
+    assert ops == [("mm", 2 * (8 * 16 + 16 * 4 + 8 * 4), 2 * 8 * 16 * 4, True),
+                   ("addcmul_", 4 * (15 + 15 + 5 + 15), 0, False),
+                   ("clone", 4 * (15 + 15), 0, False),
+                   ("zeros", 4 * 14, 0, False)], ops
+
+
+def test_the_roofline_models_each_scan_pass_of_a_tiny_step():
+    # A tiny Mamba-1 step with the loop: each layer runs L - 1 steps of the recurrence forward and
+    # L - 1 back, each one kernel over a (b, ED, N) slice that reads three slices and writes one
+    b, L, d_model, n_layer, N = 2, 8, 8, 2, 4
+    flags = ["--batch-size", str(b), "--block-size", str(L), "--d-model", str(d_model), "--n-layer", str(n_layer),
+             "--d-state", str(N)]
+    counter, _, _ = bench.roofline_step("mamba", flags, "sequential")
+    step_slices = [k for k in counter.kernels if k["op"] == "addcmul_" and k["shape"] == (b, 2 * d_model, N)]
+    assert len(step_slices) == 2 * (L - 1) * n_layer
+    assert {k["bytes"] for k in step_slices} == {4 * b * 2 * d_model * N * 4}
+    assert {k["phase"] for k in step_slices} == {"forward", "backward"}
+    # the ideal fused scan: one kernel each way per layer instead of the scan's many, fewer bytes
+    ideal, _, _ = bench.roofline_step("mamba", flags, "ideal")
+    assert sum(k["op"].startswith("ideal") for k in ideal.kernels) == 2 * n_layer
+    assert sum(k["bytes"] for k in ideal.kernels) < sum(k["bytes"] for k in counter.kernels)
+    assert 0 < ideal.peak < counter.peak
+
+
+def test_bench_roofline_prints_every_architecture(capsys):
+    args = argparse.Namespace(flags="--batch-size 2 --block-size 8 --d-model 96 --n-layer 1", archs=None)
+    bench.bench_roofline(args, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert "MODELLED, not measured" in out
+    rows = [line for line in out.splitlines() if line.startswith("|") and "---" not in line][1:]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert [n.split(" ")[0] for n in names] == ["mamba"] * 6 + ["mamba2", "mamba3", "gpt"], names
+    assert sum("= auto" in n for n in names) == 1
+    assert any("ideal fused scan" in n for n in names) and any("CPU form" in n for n in names)
+

@@ -1,7 +1,8 @@
 """Specification of the selective scan's hand-written backward (mamba_minimal.py section 6,
 _SelectiveScan): its forward and every gradient against a float64 loop differentiated by autograd,
-for every eager backend; what it saves under bf16 autocast; second derivatives; and that a plain
-backward takes the lean path."""
+for every eager backend and both forms (the CPU's and the GPU's, the latter run on the CPU here);
+packed sequences; what it saves under bf16 autocast; second derivatives; torch.func; and that a
+plain backward takes the lean path."""
 
 import pytest
 import torch
@@ -20,6 +21,13 @@ EAGER = [b for b in mm.SCAN_BACKENDS if b in pscan.BACKENDS and b not in mm.FUSE
 # test_model.py's float64 loop of the paper's equations, differentiable by autograd: it gives the
 # oracle's gradients and Hessians too
 loop_scan = reference_selective_scan
+
+
+@pytest.fixture(params=["cpu form", "gpu form"])
+def form(request, monkeypatch):
+    """_SelectiveScan's CPU form, or its GPU form run on the CPU (as on any other device)."""
+    monkeypatch.setattr(mm, "_gpu_form", lambda device: request.param == "gpu form")
+    return request.param
 
 
 def inputs(b=2, l=7, ed=5, n=3, seed=0, dtype=torch.float64):
@@ -63,7 +71,7 @@ OPTIONAL = {"all": (), "no D, no z": ("D", "z"), "no h0": ("h0",), "no D, z, h0"
 @pytest.mark.parametrize("without", list(OPTIONAL))
 @pytest.mark.parametrize("L", [1, 2, 7, 16])
 @pytest.mark.parametrize("backend", EAGER)
-def test_forward_and_every_gradient_match_the_float64_loop(backend, L, without):
+def test_forward_and_every_gradient_match_the_float64_loop(form, backend, L, without):
     args = inputs(l=L)
     for name in OPTIONAL[without]:
         args[NAMES.index(name)] = None
@@ -72,18 +80,29 @@ def test_forward_and_every_gradient_match_the_float64_loop(backend, L, without):
 
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("backend", EAGER)
-def test_one_or_two_states_per_channel_match_the_float64_loop(backend, n):
+def test_one_or_two_states_per_channel_match_the_float64_loop(form, backend, n):
     # the trainer's CPU default has d_state 2; N = 1 leaves a size-1 dimension for broadcasts to get wrong
     assert_matches_loop(inputs(n=n), 1e-10, backend=backend)
 
 
 @pytest.mark.parametrize("backend", EAGER)
-def test_fp32_forward_and_gradients_match_the_float64_loop(backend):
+def test_fp32_forward_and_gradients_match_the_float64_loop(form, backend):
     # fp32 rounds at 6e-8; a few dozen rounded steps and sums stay well inside 1e-4
     assert_matches_loop(inputs(l=13, ed=16, n=4, dtype=torch.float32), 1e-5, backend=backend)
 
 
-def test_the_plain_backward_is_the_one_function_and_saves_two_state_tensors():
+@pytest.mark.parametrize("backend", ["sequential", "pscan"])
+def test_gradients_when_only_the_output_reaches_the_loss_match_the_float64_loop(form, backend):
+    # in training the final state reaches no loss: its gradient arrives as None, not zeros
+    args = [t.requires_grad_() for t in inputs(l=9)]
+    g = torch.randn(2, 9, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got = torch.autograd.grad(mm.selective_scan(*args, backend=backend), args, g)
+    want = torch.autograd.grad(loop_scan(*args)[0], args, g)
+    for name, a, w in zip(NAMES, got, want):
+        torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10, msg=f"gradient wrt {name}")
+
+
+def test_the_plain_backward_is_the_one_function_and_saves_two_state_tensors(form):
     # the lean path: autograd records one node for the whole scan (no per-step slices, no
     # broadcast-by-broadcast backward) and keeps two (b, L, ED, N) tensors, dA and h
     x, delta, A, B, C, D, z, h0 = (t.requires_grad_() for t in inputs(b=2, l=9, ed=5, n=3))
@@ -95,7 +114,20 @@ def test_the_plain_backward_is_the_one_function_and_saves_two_state_tensors():
     assert sum(t.numel() == 2 * 9 * 5 * 3 for t in saved) == 2
 
 
-def test_a_plain_backward_never_takes_the_recorded_path(monkeypatch):
+def test_the_backward_gets_no_zero_tensors_for_the_states_it_passes_itself(form, monkeypatch):
+    # the forward hands dA, h, y + D·x and SiLU(z) to the backward as extra outputs; a zero
+    # "gradient" for each would be two more (b, L, ED, N) tensors at the backward's peak
+    received = []
+    backward = mm._SelectiveScan.backward
+    monkeypatch.setattr(mm._SelectiveScan, "backward",
+                        staticmethod(lambda ctx, *grads: received.extend(grads) or backward(ctx, *grads)))
+    args = [t.requires_grad_() for t in inputs()]
+    mm.selective_scan(*args).sum().backward()
+    assert len(received) == 6 and received[0] is not None
+    assert all(g is None for g in received[1:])  # the final state reached no loss either
+
+
+def test_a_plain_backward_never_takes_the_recorded_path(form, monkeypatch):
     def refuse(*args):
         raise AssertionError("the recorded (create_graph) path ran for a plain backward")
     monkeypatch.setattr(mm, "_recorded_gradients", refuse)
@@ -153,7 +185,7 @@ def test_the_conv_has_second_derivatives():
 
 
 @pytest.mark.parametrize("backend", EAGER)
-def test_second_derivatives_equal_the_float64_loop(backend):
+def test_second_derivatives_equal_the_float64_loop(form, backend):
     # a Hessian differentiates the backward: it must be the loop's, never zeros
     x, delta, A, B, C, D, z, h0 = inputs(b=1, l=5, ed=2, n=2)
 
@@ -183,7 +215,7 @@ def test_a_gradient_penalty_differentiates_the_gradient():
 
 
 @pytest.mark.parametrize("scan", ["selective_scan", "selective_scan_reference"])
-def test_under_bf16_autocast_the_read_out_and_the_saved_states_stay_fp32(scan):
+def test_under_bf16_autocast_the_read_out_and_the_saved_states_stay_fp32(form, scan):
     # fp32 inputs under bf16 autocast: a matmul would run the read-out C·h in bf16 (relative error
     # about 2^-9 = 2e-3); kept in fp32 the outputs and gradients are as exact as fp32 allows
     args = inputs(b=2, l=16, ed=32, n=4, dtype=torch.float32)
@@ -233,15 +265,141 @@ def test_backends_selective_scan_does_not_know_raise_a_value_error():
             mm.MambaConfig(scan_backend=backend)
 
 
-def test_forward_mode_ad_raises_a_clear_error():
-    # neither Function has a forward-mode rule: a jvp must fail loudly, never give zeros
+def loop_with_resets(x, delta, A, B, C, D, z, h0, reset):
+    """The float64 loop with packed sequences: the state restarts from zero where reset is True,
+    before that step's input."""
+    h = torch.zeros(x.shape[0], x.shape[2], A.shape[1], dtype=torch.float64) if h0 is None else h0
+    ys = []
+    for t in range(x.shape[1]):
+        h = h * (~reset[:, t, None, None])
+        h = torch.exp(delta[:, t, :, None] * A) * h + delta[:, t, :, None] * B[:, t, None, :] * x[:, t, :, None]
+        ys.append(((h * C[:, t, None, :]).sum(-1) + D * x[:, t]) * F.silu(z[:, t]))
+    return torch.stack(ys, 1), h
+
+
+@pytest.mark.parametrize("backend", EAGER)
+def test_packed_sequences_restart_the_state_as_the_float64_loop_does(form, backend):
+    # reset: dA = 0 at a sequence's first step, so G_t and dLoss/d(Δ·A) stop there in the backward
+    args = inputs(b=2, l=9)
+    reset = torch.tensor([[False, False, True, False, False, False, True, True, False],
+                          [False, False, False, False, True, False, False, False, False]])
+    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True, reset=reset)
+    y, h, grads = outputs_and_gradients(fast, args)
+    y_ref, h_ref, grads_ref = outputs_and_gradients(lambda *a: loop_with_resets(*a, reset), args)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+    for name, got, want in zip(NAMES, grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=f"gradient wrt {name}")
+
+
+def relative_errors_of_both_forms(delta, A, L=64, seed=3):
+    """fp32: the larger relative error (norm) of the outputs and the final state against the
+    float64 loop, for the CPU form and the GPU form."""
+    args = inputs(b=2, l=L, ed=A.shape[0], n=A.shape[1], seed=seed, dtype=torch.float32)
+    args[1], args[2] = delta, A
+    y_ref, h_ref = loop_scan(*[t.double() for t in args])
+    errors = {}
+    for form in ("cpu", "gpu"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mm, "_gpu_form", lambda device: form == "gpu")
+            y, h = mm.selective_scan(*args, return_last_state=True)
+        errors[form] = max(((y.double() - y_ref).norm() / y_ref.norm()).item(),
+                           ((h.double() - h_ref).norm() / h_ref.norm()).item())
+    return errors
+
+
+def test_the_gpu_forms_decays_are_as_exact_as_exp_and_never_underflow():
+    # The GPU form computes exp(Δ·A) as (e^(A/s))^(Δ·s) (mamba_minimal.py, _gpu_forward). With
+    # rates down to A = -64 (init: -1 to -16) and steps from 1e-3 to 20, as exact as the CPU
+    # form's exp; down to A = -1000, within 1e-5 (e^A alone would underflow to 0 there, and
+    # every such decay would be 0 or 1, an error of order 1)
+    g = torch.Generator().manual_seed(3)
+    delta = torch.exp(torch.empty(2, 64, 6).uniform_(-7, 3, generator=g))  # Δ from 1e-3 to 20
+    usual = relative_errors_of_both_forms(delta, -torch.exp(torch.linspace(-2.3, 4.16, 8)).repeat(6, 1))
+    assert usual["cpu"] < 3e-7 and usual["gpu"] < 2 * usual["cpu"] + 1e-7, usual
+    extreme = relative_errors_of_both_forms(delta, -torch.exp(torch.linspace(-4.6, 6.9, 8)).repeat(6, 1))
+    assert extreme["cpu"] < 3e-7 and extreme["gpu"] < 1e-5, extreme
+
+
+def test_a_non_cpu_device_runs_the_gpu_form():
+    # told apart by the layout of the saved states: (b, L, ED, N) in the GPU form, (b, L, N, ED) in
+    # the CPU form; meta tensors stand for a GPU (no values, every shape)
+    b, L, ed, n = 2, 5, 4, 3
+    for device, shape in (("meta", (b, L, ed, n)), ("cpu", (b, L, n, ed))):
+        args = [t.to(device).requires_grad_() for t in inputs(b=b, l=L, ed=ed, n=n)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            y = mm.selective_scan(*args)
+        assert saved.count(shape) == 2, (device, saved)
+        y.sum().backward()
+        assert all(t.grad is not None and t.grad.shape == t.shape for t in args)
+
+
+def test_auto_runs_the_loop_on_a_gpu_at_the_trainers_cuda_default():
+    # the choice of `python bench.py roofline`: at (64, 768, 16) per step the loop's 4 passes per
+    # scan cost less than the tree's 11, even at 255 kernels per scan; narrow steps keep the tree,
+    # and so does any scan that autograd records (L steps in its graph)
+    from train_shakespeare import DEFAULTS
+    cuda = DEFAULTS["cuda"]
+    width = cuda["batch_size"] * 2 * cuda["d_model"] * cuda["d_state"]
+    gpu = torch.device("meta")
+    assert pscan.backend_for(gpu, width, needs_grad=False) == "sequential"
+    assert pscan.backend_for(gpu, width, needs_grad=True) == "pscan"
+    assert pscan.backend_for(gpu, 1 * 2 * cuda["d_model"] * cuda["d_state"], needs_grad=False) == "pscan"
+    a = torch.rand(cuda["batch_size"], 3, 2 * cuda["d_model"], cuda["d_state"], device="meta")
+    assert pscan.choose_backend(a, a) == "sequential"
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap runs addcmul_ per sample
+@pytest.mark.parametrize("backend", EAGER)
+def test_torch_func_grad_and_vmap_equal_the_float64_loop(form, backend):
+    x, delta, A, B, C, D, z, h0 = inputs()
+    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True)
+
+    def loss(scan):
+        return lambda x, delta, A: (scan(x, delta, A, B, C, D, z, h0)[0] ** 2).sum()
+
+    got = torch.func.grad(loss(fast), argnums=(0, 1, 2))(x, delta, A)
+    leaves = [t.clone().requires_grad_() for t in (x, delta, A)]
+    want = torch.autograd.grad(loss(loop_scan)(*leaves), leaves)
+    for name, g, w in zip(NAMES, got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=f"torch.func.grad wrt {name}")
+    # vmap over three independent problems, and per-problem gradients (vmap of grad) over x
+    problems = [inputs(seed=seed) for seed in range(3)]
+    stacked = [torch.stack(ts) for ts in zip(*problems)]
+    y, h = torch.func.vmap(fast)(*stacked)
+    xs = stacked[0]
+    per_x = torch.func.vmap(torch.func.grad(loss(fast)), in_dims=(0, None, None))(xs, delta, A)
+    ones = torch.ones_like(x)
+    per_vjp = torch.func.vmap(lambda x: torch.func.vjp(lambda x: fast(x, delta, A, B, C, D, z, h0)[0], x)[1](ones)[0])(xs)
+    for i, problem in enumerate(problems):
+        y_ref, h_ref = loop_scan(*problem)
+        torch.testing.assert_close(y[i], y_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(h[i], h_ref, rtol=1e-10, atol=1e-10)
+        leaf = xs[i].clone().requires_grad_()
+        (want_x,) = torch.autograd.grad(loss(loop_scan)(leaf, delta, A), leaf)
+        torch.testing.assert_close(per_x[i], want_x, rtol=1e-10, atol=1e-10)
+        (want_vjp,) = torch.autograd.grad(loop_scan(leaf, delta, A, B, C, D, z, h0)[0], leaf, ones)
+        torch.testing.assert_close(per_vjp[i], want_vjp, rtol=1e-10, atol=1e-10)
+
+
+def test_forward_mode_ad_through_the_selective_scan_raises_torchs_error(form):
+    # no forward-mode rule (a custom jvp would make torch.compile refuse the Function): torch's
+    # own NotImplementedError, never a silent zero
     import torch.autograd.forward_ad as fwAD
-    args = inputs()
+    x, *rest = inputs()
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward mode"):
+            mm.selective_scan(fwAD.make_dual(x, torch.ones_like(x)), *rest)
+    with pytest.raises(NotImplementedError, match="forward mode"):
+        torch.func.jvp(lambda x: mm.selective_scan(x, *rest), (x,), (torch.ones_like(x),))
+
+
+def test_forward_mode_ad_through_the_conv_raises_a_clear_error():
+    # neither the conv's Function has a forward-mode rule: a jvp must fail loudly, never give zeros
+    import torch.autograd.forward_ad as fwAD
     mixer = mm.MambaMixer(mm.MambaConfig(d_model=4, d_state=2)).double()
     with fwAD.dual_level():
-        x = fwAD.make_dual(args[0], torch.ones_like(args[0]))
-        with pytest.raises(RuntimeError, match="forward-mode AD .* selective_scan_reference"):
-            mm.selective_scan(x, *args[1:])
         hidden = torch.randn(1, 5, 4, dtype=torch.float64)
         with pytest.raises(RuntimeError, match="forward-mode AD .* causal conv"):
             mixer(fwAD.make_dual(hidden, torch.ones_like(hidden)))
