@@ -47,6 +47,7 @@ that file first.
 import contextlib
 import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -979,7 +980,7 @@ class CompiledOrEager:
         self.compile_backward_now = compile_backward_now and hasattr(torch._functorch.config,
                                                                       "force_non_lazy_backward_lowering")
         self.failed = False
-        self.arg_names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+        self.arg_names = list(inspect.signature(fn).parameters)
 
     def compiled_call(self, *args):
         for name, t in zip(self.arg_names, args):
@@ -1000,7 +1001,9 @@ class CompiledOrEager:
                 raise
             out = self.fn(*args)
             self.failed = True
-            message = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+            while getattr(err, "inner_exception", None) or err.__cause__:  # the compiler's own error,
+                err = getattr(err, "inner_exception", None) or err.__cause__  # under torch's wrappers
+            message = (str(err).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"torch.compile failed for {self.what} ({type(err).__name__}: {message}); it runs "
                           f"eagerly from now on", CompileFallbackWarning, stacklevel=2)
             return out
