@@ -54,15 +54,16 @@ def test_run_capped_kills_every_process_the_part_started_at_the_deadline(tmp_pat
     assert not marker.exists()
 
 
-PARTS = ["train_shakespeare.py --arch mamba ", "train_shakespeare.py --arch gpt ", "eager paths",
-         "-m 'not compile'", "train_shakespeare.py --arch mamba2 ",
-         "train_shakespeare.py --arch mamba3 ", "compiled paths", "-m compile"]
+PARTS = ["--arch mamba --max-iters", "--arch gpt --max-iters", "--arch mamba --compile --max-iters",
+         "--arch gpt --compile-model --max-iters", "--arch mamba --max-time", "--arch gpt --max-time",
+         "-m 'not compile'", "--arch mamba2 --max-iters", "--arch mamba3 --max-iters", "eager paths",
+         "compiled paths", "-m compile"]
 
 
-def bench_gpu_tiny(text_file, budget, iters):
+def bench_gpu_tiny(text_file, budget, steps):
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny", "--data", text_file, "--budget", str(budget),
-                          "--train-iters", str(iters), "--repeats", "2"],
+                          "--steps", str(steps), "--race-time", "3", "--repeats", "2"],
                          cwd=HERE, capture_output=True, text=True, timeout=budget + 120)
     return out.stdout + out.stderr, out.returncode, time.perf_counter() - t0
 
@@ -83,22 +84,28 @@ def test_bench_gpu_tiny_keeps_the_order_and_the_budget(text_file):
     seen = [out.find(part) for part in PARTS]
     started = [i for i in seen if i >= 0]
     assert seen[0] >= 0 and started == sorted(started), out
-    assert re.search(r"\| +mamba \| +[\d.]+M \| +bf16 \| +[\d.]+ \(step 2\)", out), out  # CPU autocast, as on CUDA
+    # CPU autocast, as on CUDA, to the last step
+    assert re.search(r"\| +--arch mamba --max-iters 2 --eval-iters 4 \| +[\d.]+M \| +bf16 \|.*\| +2 \|", out), out
     if -1 in seen or "killed at the deadline" in out:
         assert status == 1
 
 
 @pytest.mark.compile
 def test_bench_gpu_tiny_runs_every_part_in_order_on_the_cpu(text_file):
-    out, status, _ = bench_gpu_tiny(text_file, 480, 4)
+    out, status, _ = bench_gpu_tiny(text_file, 900, 14)
     assert status == 0, out
     positions = [out.find(part) for part in PARTS]
     assert -1 not in positions and positions == sorted(positions), out
     rows = [line for line in out.splitlines() if line.startswith("|") and "---" not in line]
     assert not [r for r in rows if "failed" in r or "killed" in r or "skipped" in r], out
-    for arch in ("mamba", "gpt", "mamba2", "mamba3"):
-        row = next(r for r in rows if r.replace(" ", "").startswith(f"|{arch}|"))
-        assert re.search(r"\| +bf16 \|", row) and "(step 4)" in row, row  # CPU bf16 autocast, to the end
+    for flags in ("--arch mamba", "--arch gpt", "--arch mamba --compile", "--arch gpt --compile-model",
+                  "--arch mamba2", "--arch mamba3"):
+        row = [c.strip() for c in next(r for r in rows if f"| {flags} --max-iters" in r).split("|")]
+        # CPU bf16 autocast, to the end; ms/step of steps 12 and 14 (the log's every second step)
+        assert row[3] == "bf16" and row[5] and row[8] == "14", row
+    for arch in ("mamba", "gpt"):  # the racers trained and evaluated
+        row = [c.strip() for c in next(r for r in rows if f"| --arch {arch} --max-time" in r).split("|")]
+        assert row[3] == "bf16" and float(row[9]) > 0, row
     assert "fell back" not in out  # compile="loop" compiled its loop
 
 
