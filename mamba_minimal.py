@@ -1021,12 +1021,13 @@ def _compile_options(device):
 
 def _maybe_compiled(fn, compile, device):
     """fn itself, or its torch.compile'd version (made once per device type; static shapes but the
-    batch; eager after a failure)."""
-    if not compile:
+    batch). After a compiler failure on a device the fused path runs eagerly there, the chunk's
+    backward too: one warning, and no time spent on compiles that would fail alike."""
+    if not compile or any(c.failed for (_, on), c in _compiled.items() if on == device.type):
         return fn
     key = (fn, device.type)
     if key not in _compiled:
-        _compiled[key] = CompiledOrEager(fn, f"{fn.__name__} on {device.type}",
+        _compiled[key] = CompiledOrEager(fn, f"the fused selective scan ({fn.__name__} on {device.type})",
                                          batch_args=("x", "delta", "B", "C", "z", "h", "h0", "keep", "grad_out",
                                                      "grad_h"),
                                          fallback=fn is not _chunk_loop,  # _forward_in_one_call has its own

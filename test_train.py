@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -999,9 +1000,16 @@ def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path,
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.setattr(mm, "_compiled", {}, raising=False)  # no compiled function from an earlier test
     monkeypatch.setattr(m2, "_compiled_forward", functools.cache(m2._compiled_forward.__wrapped__))
-    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
-    notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
-    assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
+    if flag == "--compile-model":  # the trainer's torch.compile of the whole model: the trainer falls back
+        out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
+        notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
+        assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
+    else:  # --compile: the model's compiled functions fall back themselves (mamba_minimal.CompiledOrEager)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
+        notes = [str(w.message) for w in caught if issubclass(w.category, mm.CompileFallbackWarning)]
+        assert len(notes) == 1 and "no working C++ compiler found); it runs eagerly from now on" in notes[0], notes
     assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))
 
 
