@@ -557,7 +557,8 @@ class Mamba2Mixer(nn.Module):
         """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
         (conv_state, ssm_state). cache: start from this layer's (conv_state, ssm_state); seq_idx and
         attention_mask (b, L) as MambaLM.forward takes them, checked there."""
-        if self.cfg.compile_mixer and not want_cache and cache is None and torch.is_grad_enabled():
+        if self.cfg.compile_mixer and not want_cache and cache is None and torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():  # in a model compiled whole, that compile traces _forward
             return _compiled_forward(u.device.type)(self, u, False, None, seq_idx, attention_mask)
         return self._forward(u, want_cache, cache, seq_idx, attention_mask)
 

@@ -992,7 +992,7 @@ class CompiledOrEager:
         return self.compiled(*args)
 
     def __call__(self, *args):
-        if self.failed or torch.compiler.is_compiling():  # compiled inside a compiled model: its compile traces fn
+        if self.failed or torch.compiler.is_compiling():  # called inside a compiled model: its compile traces fn
             return self.fn(*args)
         try:
             return self.compiled_call(*args)
@@ -1022,8 +1022,10 @@ def _compile_options(device):
 def _maybe_compiled(fn, compile, device):
     """fn itself, or its torch.compile'd version (made once per device type; static shapes but the
     batch). After a compiler failure on a device the fused path runs eagerly there, the chunk's
-    backward too: one warning, and no time spent on compiles that would fail alike."""
-    if not compile or any(c.failed for (_, on), c in _compiled.items() if on == device.type):
+    backward too: one warning, and no time spent on compiles that would fail alike. Inside a
+    model that torch.compile compiles whole, fn itself: that compile traces it."""
+    if not compile or torch.compiler.is_compiling() or any(c.failed for (_, on), c in _compiled.items()
+                                                           if on == device.type):
         return fn
     key = (fn, device.type)
     if key not in _compiled:

@@ -374,6 +374,9 @@ def test_the_hand_written_functions_trace_into_one_graph():
              for backend in pscan.BACKENDS}
     cases["causal conv"] = lambda: mixer.causal_conv(torch.randn(2, 9, mixer.cfg.d_inner))
     cases["fused scan, recomputing backward"] = lambda: mm.fused_selective_scan(x, delta, A, B, C, D, z, h0, 4)[0]
+    # --compile inside --compile-model: the outer compile traces the chunk functions themselves
+    cases["fused scan, compile=True"] = lambda: mm.fused_selective_scan(x, delta, A, B, C, D, z, h0, 4,
+                                                                        compile=True)[0]
     for name, fn in cases.items():
         torch._dynamo.reset()
         counter = CompileCounter()
