@@ -992,7 +992,9 @@ class CompiledOrEager:
         return self.compiled(*args)
 
     def __call__(self, *args):
-        if self.failed or torch.compiler.is_compiling():  # called inside a compiled model: its compile traces fn
+        # fn itself inside a model being compiled (that compile traces fn) and under torch.func's
+        # grad or vmap (whose wrapped tensors a compiled graph does not take: not a failure)
+        if self.failed or torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
             return self.fn(*args)
         try:
             return self.compiled_call(*args)

@@ -332,13 +332,19 @@ def test_torch_func_grad_and_vmap_through_the_conv_and_the_fused_scan_match_auto
 
     inputs = scan_inputs(b=3, l=7)
 
-    def scan_loss(x, delta, A, B, C, D, z, h0):  # one sample: a batch of 1 inside
+    def scan_loss(x, delta, A, B, C, D, z, h0, compile=False):  # one sample: a batch of 1 inside
         one = [t.unsqueeze(0) for t in (x, delta, B, C, z, h0)]
-        y = mm.selective_scan(*one[:2], A, *one[2:4], D, *one[4:], backend="fused", chunk_size=3)
+        y = mm.selective_scan(*one[:2], A, *one[2:4], D, *one[4:], backend="fused", chunk_size=3, compile=compile)
         return y.pow(2).sum()
 
     batched = (0, 0, None, 0, 0, None, 0, 0)  # A and D are shared by the samples
     per_sample = torch.func.vmap(torch.func.grad(scan_loss, argnums=tuple(range(8))), in_dims=batched)(*inputs)
+    with warnings.catch_warnings():  # compile=True under the transforms: its chunks run eagerly, not as a failure
+        warnings.simplefilter("error", mm.CompileFallbackWarning)
+        compiled_loss = lambda *args: scan_loss(*args, compile=True)
+        same = torch.func.vmap(torch.func.grad(compiled_loss, argnums=tuple(range(8))), in_dims=batched)(*inputs)
+    for g, w in zip(same, per_sample):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
     mixer = tiny_model().double().backbone.layers[0].mixer
     x_in = torch.randn(3, 9, mixer.cfg.d_inner, dtype=torch.float64)
 
