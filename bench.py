@@ -1092,8 +1092,8 @@ def bench_mamba3(args, device):
 # The models are small (d_model 32, 2 layers, block 128, batch 4 then 3) and run under bf16
 # autocast, as the trainer runs them on a GPU.
 
-GRAPH_CASES = ("mamba --compile", "mamba2 --compile", "mamba --compile-model", "mamba2 --compile-model",
-               "mamba3 --compile-model", "gpt --compile-model")
+GRAPH_CASES = ("mamba --compile", "mamba2 --compile", "mamba --compile-model", "mamba --compile --compile-model",
+               "mamba2 --compile-model", "mamba3 --compile-model", "gpt --compile-model")
 
 
 @contextlib.contextmanager
@@ -1145,19 +1145,19 @@ def graph_model(case, vocab, block):
     """The model of a GRAPH_CASES row, small, and the function the run calls."""
     import mamba2_minimal as m2
     import mamba3_minimal as m3
-    arch, how = case.split()
+    arch, *flags = case.split()
     torch.manual_seed(0)
     small = dict(d_model=32, n_layer=2, vocab_size=vocab)
     if arch == "mamba":  # d_state 16 and chunks of 16, the CUDA default's
-        model = mm.MambaLM(mm.MambaConfig(**small, d_state=16, compile_scan=how == "--compile"))
+        model = mm.MambaLM(mm.MambaConfig(**small, d_state=16, compile_scan="--compile" in flags))
     elif arch == "mamba2":  # chunks of 64 as the trainer's: two per block
         model = m2.Mamba2LM(m2.Mamba2Config(**small, d_state=16, headdim=16, chunk_size=64,
-                                            compile_mixer=how == "--compile"))
+                                            compile_mixer="--compile" in flags))
     elif arch == "mamba3":
         model = m3.Mamba3LM(m3.Mamba3Config(**small, d_state=16, headdim=16, chunk_size=64))
     else:
         model = TinyGPT(GPTConfig(d_model=32, n_layer=2, n_head=4, vocab_size=vocab, block_size=block))
-    return model, torch.compile(model) if how == "--compile-model" else model
+    return model, torch.compile(model) if "--compile-model" in flags else model
 
 
 def bench_graphs(args, device):

@@ -109,6 +109,21 @@ def test_bench_gpu_tiny_runs_every_part_in_order_on_the_cpu(text_file):
     assert "fell back" not in out  # compile="loop" compiled its loop
 
 
+@pytest.mark.compile
+def test_bench_graphs_counts_one_compile_per_graph_and_none_after_the_first_step(monkeypatch, capsys):
+    # Dynamo only (the eager backend): Mamba-1's fused path makes its two graphs (the chunk and its
+    # backward) at the first training step and none after, evaluation and a smaller batch included;
+    # Mamba-3 and the GPT compiled whole are one graph per grad mode and batch size, with no break
+    monkeypatch.setattr(bench, "GRAPH_CASES", ("mamba --compile", "mamba3 --compile-model", "gpt --compile-model"))
+    bench.bench_graphs(argparse.Namespace(backend="eager"), torch.device("cpu"))
+    out = capsys.readouterr().out
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in out.splitlines() if line.startswith("|"))}
+    assert rows["mamba --compile"][:6] == ["2", "0", "0", "2 / 0 / 0 / 0", "0 / 0 / 0 / 0", "0 / 0 / 0 / 0"], out
+    for case in ("mamba3 --compile-model", "gpt --compile-model"):
+        assert rows[case][:5] == ["3", "0", "2", "1 / 0 / 1 / 1", "0 / 0 / 0 / 0"], out
+
+
 def test_a_compile_loop_row_says_when_it_fell_back_to_per_chunk_calls(monkeypatch):
     monkeypatch.setattr(mm, "_compiled_loop_works", True)
     assert bench.loop_label('compile="loop"', dict(compile="loop")) == 'compile="loop"'
