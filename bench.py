@@ -16,6 +16,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py mamba2_profile  # where that step's time goes: matmuls vs the rest (torch.profiler)
     python bench.py mamba3        # one training step of Mamba-3 candidates vs Mamba-1, Mamba-2 and the GPT; generation
     python bench.py roofline      # a MODEL of one training step on four GPUs (no GPU needed): kernels, bytes, FLOPs, memory
+    python bench.py graphs        # what torch.compile makes of each model: graphs, graph breaks, recompiles
     python bench.py all           # everything above
     python bench.py gpu --data data/tinyshakespeare.txt  # a CUDA machine, offline, within --budget s
     python bench.py gpu --tiny    # the same parts in the same order, at a toy size on the CPU
@@ -1331,30 +1332,164 @@ def bench_roofline(args, device):
 
 
 # ------------------------------------------------------------------------------------------------
+# What torch.compile makes of each model: python bench.py graphs
+# ------------------------------------------------------------------------------------------------
+# torch.compile's front end, Dynamo, turns Python into graphs and hands each to a compiler
+# (Inductor by default). Where it cannot follow the code it breaks the graph: the piece between
+# two graphs runs eagerly, and each graph is a separate compile and a separate call. A compiled
+# graph is guarded (input shapes, dtypes, grad mode, ...); a call that fails its guards compiles
+# again (a recompile). This table counts both, per phase of a training run: the first and the
+# second training step (the second must compile nothing), an evaluation under no_grad, and an
+# evaluation of a smaller last batch. Dynamo decides the graphs and the breaks before any
+# compiler sees them, so by default every graph goes to Dynamo's "eager" backend, which runs it
+# as it is (seconds, where Inductor takes minutes on a CPU); --backend inductor compiles for real.
+# The models are small (d_model 32, 2 layers, block 128, batch 4 then 3) and run under bf16
+# autocast, as the trainer runs them on a GPU.
+
+GRAPH_CASES = ("mamba --compile", "mamba2 --compile", "mamba --compile-model", "mamba --compile --compile-model",
+               "mamba2 --compile-model", "mamba3 --compile-model", "gpt --compile-model")
+
+
+@contextlib.contextmanager
+def compiled_with(backend):
+    """torch.compile with `backend` for every function compiled inside (the models' own compiles
+    included), from empty caches and counters."""
+    import logging
+    import mamba2_minimal as m2
+    real_compile = torch.compile
+
+    def compile_with(fn=None, **kw):
+        if backend != "inductor":
+            kw = {k: v for k, v in kw.items() if k not in ("options", "mode")}  # Inductor's settings
+        return real_compile(fn, **dict(kw, backend=backend))
+
+    def reset():
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch._dynamo.utils.clear_compilation_metrics()
+        mm._compiled.clear()
+        m2._compiled_forward.cache_clear()
+
+    torch.compile = compile_with
+    torch._logging.set_logs(dynamo=logging.ERROR)  # the table says what the graph-break warnings would
+    reset()
+    try:
+        yield
+    finally:
+        torch.compile = real_compile
+        torch._logging.set_logs()
+        reset()
+
+
+def compiles_so_far():
+    """(graphs, graph breaks, recompile reasons) that Dynamo has counted since compiled_with began."""
+    counters = torch._dynamo.utils.counters
+    reasons = [m.recompile_reason for m in torch._dynamo.utils.get_compilation_metrics() if m.recompile_reason]
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), reasons
+
+
+def short(reason):
+    """A Dynamo message on one line, without its explanation and the frame numbers of guards."""
+    import re
+    reason = " ".join(str(reason).split()).split(" Explanation:")[0]
+    return re.sub(r"(^|- )\d+/\d+: ", r"\1", reason)[:150]
+
+
+def graph_model(case, vocab, block):
+    """The model of a GRAPH_CASES row, small, and the function the run calls."""
+    import mamba2_minimal as m2
+    import mamba3_minimal as m3
+    arch, *flags = case.split()
+    torch.manual_seed(0)
+    small = dict(d_model=32, n_layer=2, vocab_size=vocab)
+    if arch == "mamba":  # d_state 16 and chunks of 16, the CUDA default's
+        model = mm.MambaLM(mm.MambaConfig(**small, d_state=16, compile_scan="--compile" in flags))
+    elif arch == "mamba2":  # chunks of 64 as the trainer's: two per block
+        model = m2.Mamba2LM(m2.Mamba2Config(**small, d_state=16, headdim=16, chunk_size=64,
+                                            compile_mixer="--compile" in flags))
+    elif arch == "mamba3":
+        model = m3.Mamba3LM(m3.Mamba3Config(**small, d_state=16, headdim=16, chunk_size=64))
+    else:
+        model = TinyGPT(GPTConfig(d_model=32, n_layer=2, n_head=4, vocab_size=vocab, block_size=block))
+    return model, torch.compile(model) if "--compile-model" in flags else model
+
+
+def bench_graphs(args, device):
+    """Dynamo's graphs, graph breaks and recompiles for each of GRAPH_CASES, phase by phase."""
+    from collections import Counter
+    vocab, block, batch = 65, 128, 4
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    ids = torch.randint(0, vocab, (batch, block + 1), device=device)
+    phases = ("train step 1", "train step 2", "eval (no_grad)", "eval, last batch of 3")
+    rows, notes = [], {}
+    for case in GRAPH_CASES:
+        with compiled_with(args.backend):
+            model, run = graph_model(case, vocab, block)
+            model.to(device)
+            per_phase, t0 = [], time.perf_counter()
+            for phase in phases:
+                before = compiles_so_far()
+                x = ids[:3] if phase.endswith("of 3") else ids
+                with torch.set_grad_enabled(phase.startswith("train")), autocast:
+                    logits = run(x[:, :-1])
+                if phase.startswith("train"):
+                    loss = torch.nn.functional.cross_entropy(logits[..., :vocab].float().flatten(0, 1),
+                                                             x[:, 1:].flatten())
+                    loss.backward()
+                after = compiles_so_far()
+                per_phase.append([after[i] - before[i] for i in range(2)] + [len(after[2]) - len(before[2])])
+            graphs, breaks, recompiles = compiles_so_far()
+            rows.append([case, str(graphs), str(breaks), str(len(recompiles))]
+                        + [" / ".join(str(p[i]) for p in per_phase) for i in range(3)]
+                        + [f"{time.perf_counter() - t0:.0f}"])
+            broke = Counter()
+            for reason, n in torch._dynamo.utils.counters["graph_break"].items():
+                broke[short(reason)] += n
+            notes[case] = [f"break x{n}: {r}" for r, n in broke.items()]
+            notes[case] += [f"recompile x{n}: {r}" for r, n in Counter(map(short, recompiles)).items()]
+    table(f"torch.compile (backend {args.backend!r}) of small models (d_model 32, 2 layers, block {block}) "
+          f"under bf16 autocast; phases: {'; '.join(phases)}",
+          ["case", "graphs", "breaks", "recompiles", "graphs by phase", "breaks by phase", "recompiles by phase",
+           "s"], rows)
+    for case, lines in notes.items():
+        if lines:
+            print(f"\n{case}:\n  " + "\n  ".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------
 # On a GPU, in one go: python bench.py gpu
 # ------------------------------------------------------------------------------------------------
-# A short run on a CUDA machine that may have no network and a few minutes. The most valuable
-# figures come first, so a run cut short still has them:
-#   1. train_shakespeare.py --max-iters 300 with the CUDA defaults: Mamba, then the GPT yardstick
-#      (same data, windows, block, batch, steps and schedule): val loss, tokens/s, seconds, peak memory
-#   2. the selective scan of one Mamba layer at d_model 1024 (ED = 2048), N = 16, L = 8192,
+# A run on a CUDA machine that may have no network and a quarter of an hour, which answers what a
+# GPU user of the trainer asks first: how fast each model trains at the CUDA defaults, with and
+# without torch.compile, how much memory it needs, and which model is ahead after the same time.
+# The most valuable figures come first, so a run cut short still has them:
+#   1. step times: train_shakespeare.py --max-iters 40 with the CUDA defaults, the median ms/step
+#      of the steps after the 10th, the first step's seconds (start-up and any compiling) and the
+#      peak memory: Mamba eager, the GPT eager, then Mamba --compile (the fused scan, compiled)
+#      and the GPT --compile-model (nanoGPT's setting), then Mamba-2 and Mamba-3
+#   2. the race: the default Mamba and the GPT, each trained for the same 120 s (schedules fitted
+#      to it, 4 evaluations): the val loss each reaches
+#   3. the CUDA tests that compile nothing: pytest -k cuda -m "not compile"
+#   4. the selective scan of one Mamba layer at d_model 1024 (ED = 2048), N = 16, L = 8192,
 #      batch 1, forward and forward+backward, the eager paths: the Python loop (8192 steps of a
 #      few kernel launches each), torch's associative_scan and pscan (a tree of log2(L) levels)
-#   3. the CUDA tests that compile nothing: pytest -k cuda -m "not compile"
-#   4. Mamba-2 and Mamba-3 training, as in 1.
 #   5. what compiles (tens of seconds to minutes per graph on a cold machine): the compiled
-#      rows of 2., then the compiled CUDA tests
+#      rows of 4., then the compiled CUDA tests
 # Each part runs in a process group of its own, killed at the deadline with every process it
 # started (Inductor's compile workers too), so --budget bounds the whole command, compiling
-# included. On CUDA, pscan.py asks associative_scan for combine_mode="pointwise"; called
-# outside torch.compile, torch runs that through Dynamo's eager backend, which executes its
-# generic algorithm (torch/_higher_order_ops/associative_scan.py, _maybe_compile_and_run_fn):
-# the row times that, not a Triton kernel. compile="loop" can fall back to one compiled call
-# per chunk where torch cannot compile the loop; its row says so when it did.
+# included. A compiled run whose compiler fails trains on eagerly, with a warning the table
+# reports ("compile failed, ran eagerly"). On CUDA, pscan.py asks associative_scan for
+# combine_mode="pointwise"; called outside torch.compile, torch runs that through Dynamo's eager
+# backend, which executes its generic algorithm (torch/_higher_order_ops/associative_scan.py,
+# _maybe_compile_and_run_fn): the row times that, not a Triton kernel. compile="loop" can fall
+# back to one compiled call per chunk where torch cannot compile the loop; its row says so when
+# it did.
 
 GPU_SHAPE = (1, 8192, 2048, 16)  # (B, L, ED, N)
 GPU_TINY_SHAPE = (1, 40, 8, 4)  # --tiny: the same cases on the CPU, as a dry run
-GPU_BUDGET_S = 480  # the whole command, compiling included
+GPU_BUDGET_S = 900  # the whole command, compiling included
+GPU_STEPS = 40  # iterations of each step-time run: the first 10 are left out of its ms/step
+GPU_RACE_S = 120  # seconds of training of each model in the race
 GPU_CASES = {  # selective_scan's keyword arguments
     "loop (scan_sequential)": dict(backend="sequential"),
     "associative_scan (generic, not compiled)": dict(backend="associative"),
@@ -1465,17 +1600,16 @@ def run_capped(cmd, timeout_s):
         return proc.communicate()[0], None
 
 
-def gpu_training(args, arch, timeout_s):
-    """train_shakespeare.py --arch ARCH --max-iters N with the device's defaults (on the CPU
-    with --tiny: a toy model, bf16 autocast as on a GPU with bf16). Returns a table row."""
+def gpu_trainer_run(args, flags, timeout_s):
+    """train_shakespeare.py with `flags` and the device's defaults (on the CPU with --tiny: a toy
+    model under bf16 autocast, as on a GPU with bf16). Returns a table row and whether the run
+    ended cleanly."""
     import re
     import tempfile
-    out_dir = tempfile.mkdtemp(prefix=f"bench_gpu_{arch}_")
-    cmd = [sys.executable, "train_shakespeare.py", "--arch", arch, "--device", "cpu" if args.tiny else "cuda",
-           "--out-dir", out_dir, "--max-iters", str(args.train_iters), "--no-sample",
-           "--eval-interval", str(max(1, args.train_iters // 4)),
-           # one schedule for every arch, fitted to the run: its defaults are fitted to 5000 steps
-           "--warmup-iters", str(max(1, args.train_iters // 10)), "--lr-decay-iters", str(args.train_iters)]
+    out_dir = tempfile.mkdtemp(prefix="bench_gpu_")
+    arch = flags[flags.index("--arch") + 1]
+    cmd = [sys.executable, "train_shakespeare.py", "--device", "cpu" if args.tiny else "cuda", "--out-dir", out_dir,
+           "--no-sample"] + flags
     if args.data:
         cmd += ["--data", args.data]
     if args.tiny:  # a toy model of two Mamba-2 chunks per block (chunk 64), as the CUDA default has four
@@ -1483,22 +1617,20 @@ def gpu_training(args, arch, timeout_s):
                 "--eval-iters", "2", "--log-interval", "2", "--dtype", "bf16"] + (["--n-head", "4"] if arch == "gpt" else [])
     print("$ " + shlex.join(["python"] + cmd[1:]), flush=True)
     text, status = run_capped(cmd, timeout_s)
-    rates = [float(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) tok/s", text)]
-    found = {key: re.search(pattern, text) for key, pattern in (
-        ("params", r"([\d.]+M) parameters"), ("dtype", r"thread\(s\), (\w+)"),
-        ("peak", r"peak GPU memory ([\d.]+) GiB"))}
-    records = []
-    if os.path.exists(os.path.join(out_dir, "log.jsonl")):
-        with open(os.path.join(out_dir, "log.jsonl")) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-    evals = [r for r in records if "val_loss" in r]
+    steady = [(float(rate.replace(",", "")), int(ms)) for step, rate, ms in
+              re.findall(r"step (\d+)\S* .*?\| ([\d,]+) tok/s \| (\d+) ms/it", text) if int(step) > 10]
+    found = {key: re.findall(pattern, text) for key, pattern in (
+        ("params", r"([\d.]+M) parameters"), ("dtype", r"thread\(s\), (\w+)"), ("first", r"first step ([\d.]+)s"),
+        ("peak", r"peak GPU memory ([\d.]+) GiB"), ("step", r"step (\d+)"), ("val", r"val ([\d.]+)"))}
     if status != 0:
         print(text[-2000:])
-    note = "killed at the deadline" if status is None else f"exit status {status}"
-    get = lambda key: found[key].group(1) if found[key] else ""
-    return [arch, get("params"), get("dtype"), f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else "",
-            f"{statistics.median(rates):,.0f}" if rates else "", f"{evals[-1]['elapsed']:.0f}" if evals else "",
-            get("peak"), f"{note}, log in {out_dir}"], status == 0
+    notes = ["compile failed, ran eagerly"] if "torch.compile failed" in text else []
+    notes.append("killed at the deadline" if status is None else f"exit status {status}")
+    get = lambda key: found[key][-1] if found[key] else ""
+    return [" ".join(flags), get("params"), get("dtype"), get("first"),
+            f"{statistics.median(ms for _, ms in steady)}" if steady else "",
+            f"{statistics.median(rate for rate, _ in steady):,.0f}" if steady else "", get("peak"), get("step"),
+            get("val"), ", ".join(notes) + f", log in {out_dir}"], status == 0
 
 
 def gpu_tests(marker, timeout_s):
@@ -1530,25 +1662,34 @@ def bench_gpu(args):
                                                          "tinyshakespeare.txt")):
         print("note: no --data and no data/tinyshakespeare.txt: the trainer will try to download the text "
               "(on a machine without network, copy it there or pass --data PATH)")
-    train_header = ["--arch", "params", "dtype", "val loss", "tokens/s", "train s", "peak GiB", "run"]
-    train_rows, ok = [], True
+    header = ["flags", "params", "dtype", "first step s", "ms/step", "tokens/s", "peak GiB", "steps", "last val",
+              "run"]
+    step_rows, race_rows, ok = [], [], True
+    steps = args.steps or (12 if args.tiny else GPU_STEPS)
+    race_s = args.race_time or (10 if args.tiny else GPU_RACE_S)
 
     def left(cap):
         return min(cap, deadline - time.perf_counter())
 
-    def train(arch, cap):
+    def train(rows, flags, cap, title):
         nonlocal ok
         if left(cap) < 15:
-            train_rows.append([arch] + [""] * 6 + ["skipped: out of time"])
+            rows.append([" ".join(flags)] + [""] * 8 + ["skipped: out of time"])
             ok = False
         else:
-            row, good = gpu_training(args, arch, left(cap))
-            train_rows.append(row)
+            row, good = gpu_trainer_run(args, flags, left(cap))
+            rows.append(row)
             ok = ok and good
-        table(f"train_shakespeare.py --max-iters {args.train_iters}, the {'CPU, toy' if args.tiny else 'CUDA'} "
-              f"defaults but one schedule (warmup {max(1, args.train_iters // 10)} steps, cosine to the last "
-              f"step); val loss on the fixed eval windows; train s: training and evaluations", train_header,
-              train_rows)
+        table(title, header, rows)
+
+    def step_time(flags, cap):
+        train(step_rows, flags + ["--max-iters", str(steps), "--eval-iters", "4"], cap,
+              f"train_shakespeare.py --max-iters {steps} at the {'CPU, toy' if args.tiny else 'CUDA'} defaults: "
+              f"median ms/step and tokens/s of the steps after the 10th; first step: start-up and compiling")
+
+    def race(arch):
+        train(race_rows, ["--arch", arch, "--max-time", f"{race_s:g}", "--num-evals", "4"], race_s + 60,
+              f"the race: each model trained for {race_s} s (its schedule fitted to it), val loss at the end")
 
     def scan_table(which, cap):
         nonlocal ok
@@ -1578,12 +1719,16 @@ def bench_gpu(args):
         else:
             ok = gpu_tests(marker, left(cap)) and ok
 
-    train("mamba", 120)
-    train("gpt", 75)
-    scan_table("table-eager", 90)
+    step_time(["--arch", "mamba"], 60)
+    step_time(["--arch", "gpt"], 45)
+    step_time(["--arch", "mamba", "--compile"], 240)  # a cold compile of the chunk and its backward
+    step_time(["--arch", "gpt", "--compile-model"], 120)
+    race("mamba")
+    race("gpt")
     tests("not compile", 90)
-    train("mamba2", 75)
-    train("mamba3", 75)
+    step_time(["--arch", "mamba2"], 60)
+    step_time(["--arch", "mamba3"], 60)
+    scan_table("table-eager", 90)
     scan_table("table-compiled", args.budget)
     tests("compile", args.budget)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s of a {args.budget:.0f} s budget")
@@ -1594,13 +1739,15 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, profile, race, sweep, generate, decode, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, roofline, "
+                                           "train, profile, race, sweep, generate, decode, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, roofline, graphs, "
                                            "all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--quick", action="store_true", help="small shapes only (a smoke test)")
     p.add_argument("--top", type=int, default=15, help="profile: how many ops to list")
+    p.add_argument("--backend", default="eager",
+                   help="graphs: the torch.compile backend (default eager: Dynamo's graphs without compiling them)")
     r = p.add_argument_group("race (python bench.py race)")
     r.add_argument("--max-time", type=float, default=300.0, help="seconds of training per run")
     r.add_argument("--runs", type=int, default=2, help="runs of each model")
@@ -1622,7 +1769,8 @@ def main():
     g = p.add_argument_group("gpu (python bench.py gpu)")
     g.add_argument("--tiny", action="store_true",
                    help="dry run of `gpu` on the CPU: the same parts in the same order at a toy size")
-    g.add_argument("--train-iters", type=int, default=300, help="iterations of each training run")
+    g.add_argument("--steps", type=int, help=f"iterations of each step-time run (default {GPU_STEPS}, --tiny 12)")
+    g.add_argument("--race-time", type=float, help=f"seconds of training of each racer (default {GPU_RACE_S}, --tiny 10)")
     g.add_argument("--data", help="the text to train on, for gpu and race (default: the trainer's "
                                   "data/tinyshakespeare.txt, downloaded if missing; a machine without network "
                                   "needs the file or this flag)")
@@ -1643,7 +1791,8 @@ def main():
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
               "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "sweep": bench_sweep, "generate": bench_generate, "decode": bench_decode,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
-              "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3, "roofline": bench_roofline}
+              "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3, "roofline": bench_roofline,
+              "graphs": bench_graphs}
     whats = args.what or ["scan"]
     if whats == ["all"]:
         whats = [w for w in tables if w not in ("race", "sweep")]  # they train for minutes: each runs on its own

@@ -323,9 +323,12 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
-        if torch.compiler.is_compiling():
-            # compiled (Mamba2Config.compile_mixer), step 2 starts a new graph: torch 2.13's CPU
-            # backend crashed in the backward of one graph holding steps 1 and 2
+        if torch.compiler.is_compiling() and x.device.type == "cpu":
+            # compiled on a CPU, step 2 starts a new graph: for one graph holding steps 1 and 2 of
+            # several chunks, torch 2.13's C++ backend makes a backward that corrupts the heap
+            # (glibc aborts, "double free or corruption", at 4 heads of 16, N 8, two chunks of 8).
+            # CUDA's Triton backend is another code generator: there the graph is one
+            # (test_model.py's compiled CUDA test runs two chunks)
             torch._dynamo.graph_break()
         # 2. every chunk's end state E_k from a zero state, input t decayed by a_{t+1} + ... + a_{T-1}
         decay_from_start = torch.exp(a.cumsum(-1))  # (b, K, G, H/G, T)  exp(a_0 + ... + a_t)
@@ -543,17 +546,19 @@ class Mamba2Mixer(nn.Module):
     # elementwise work around them (conv, SiLU, decay mask, gate, norm), one pass over memory per
     # op in eager mode, which Inductor fuses into loops: about 1.3x per training step for the
     # trainer's default Mamba-2, a block of one chunk (`python bench.py mamba2_train`, 2-core
-    # Intel Xeon with AVX-512). One graph serves
-    # every layer (the parameters are its inputs); a new input shape or grad mode compiles again.
-    # With several chunks it runs as three graphs: ssd() breaks at its step 2, and pscan.scan runs
-    # eagerly (the compiler refuses its autograd Function's forward-mode rule, jvp). Prefill and
-    # step() stay eager: each new prompt length would compile again.
+    # Intel Xeon with AVX-512). One graph serves every layer (the parameters are its inputs); a
+    # new input shape compiles again. With several chunks the mixer is one graph on a GPU; on a
+    # CPU ssd() breaks the graph at its step 2, which cuts each function on the way there too: six
+    # graphs (`python bench.py graphs`). Only training runs compiled: a forward without autograd
+    # (an evaluation, prefill, step()) runs eagerly; compiled, it would be one more graph, one more
+    # compile for a small share of a run's time.
 
     def forward(self, u, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's
         (conv_state, ssm_state). cache: start from this layer's (conv_state, ssm_state); seq_idx and
         attention_mask (b, L) as MambaLM.forward takes them, checked there."""
-        if self.cfg.compile_mixer and not want_cache and cache is None:
+        if self.cfg.compile_mixer and not want_cache and cache is None and torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():  # in a model compiled whole, that compile traces _forward
             return _compiled_forward(u.device.type)(self, u, False, None, seq_idx, attention_mask)
         return self._forward(u, want_cache, cache, seq_idx, attention_mask)
 
@@ -611,9 +616,11 @@ class Mamba2Mixer(nn.Module):
 @functools.cache
 def _compiled_forward(device_type):
     """Mamba2Mixer._forward through torch.compile (static shapes), made once per device type and
-    shared by every mixer in the process: each new config, shape or grad mode compiles again,
-    and past torch's recompile limit (8) that code runs eagerly, with torch's warning."""
-    return torch.compile(Mamba2Mixer._forward, dynamic=False)
+    shared by every mixer in the process: each new config or shape compiles again. Its backward
+    is compiled with its forward, so that a compiler that fails, at either, fails inside the call
+    and the call runs eagerly instead (mamba_minimal.CompiledOrEager)."""
+    return mm.CompiledOrEager(Mamba2Mixer._forward, f"Mamba-2's mixer on {device_type}", compile_backward_now=True,
+                              dynamic=False)
 
 
 class Mamba2LM(mm.MambaLM):

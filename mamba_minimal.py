@@ -47,6 +47,7 @@ that file first.
 import contextlib
 import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -946,31 +947,35 @@ class _CausalConv(torch.autograd.Function):
     a tensor the size of x_pad, copy the tap's gradient into it (the backward of a slice) and add
     them up; this backward writes the taps' gradients into one buffer, and each weight's gradient is one dot
     product over the batch and the sequence. The backward is made of differentiable ops, so a
-    second derivative (create_graph=True) works through it."""
+    second derivative (create_graph=True) and torch.func.grad work through it, and torch.func.vmap
+    runs both passes on batched tensors (generate_vmap_rule). No forward-mode rule: torch.compile
+    refuses a Function that has one, and without one torch.func.jvp raises torch's own error."""
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x_pad, w, bias, keep):
+    def forward(x_pad, w, bias, keep):
+        return shifted_sum(x_pad, w, bias, keep)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x_pad, w, bias, keep = inputs
         ctx.save_for_backward(x_pad, w, keep)
         ctx.has_bias = bias is not None
-        return shifted_sum(x_pad, w, bias, keep)
 
     @staticmethod
     def backward(ctx, grad_out):
         x_pad, w, keep = ctx.saved_tensors
         width, L = w.shape[1], grad_out.shape[1]
-        grad_x_pad = torch.zeros_like(x_pad, dtype=grad_out.dtype)  # (b, d_conv-1+L, ED)
-        grad_w = torch.empty_like(w, dtype=grad_out.dtype)  # (ED, d_conv)
+        grad_w = []
         for k in range(width):  # out_t = Σ_k w_k·x_pad_{t+k}: tap k read x_pad[:, k:k+L]
             grad_k = grad_out if keep is None else grad_out * keep[:, :, k, None]  # (b, L, ED)
-            grad_x_pad[:, k:k + L].addcmul_(grad_k, w[:, k])
-            grad_w[:, k] = (grad_k * x_pad[:, k:k + L]).sum((0, 1))
+            if k == 0:  # the buffer starts as tap 0's share, padded: batched under vmap wherever grad_out or w is
+                grad_x_pad = F.pad(grad_k * w[:, 0], (0, 0, 0, width - 1))  # (b, d_conv-1+L, ED)
+            else:
+                grad_x_pad[:, k:k + L].addcmul_(grad_k, w[:, k])
+            grad_w.append((grad_k * x_pad[:, k:k + L]).sum((0, 1)))  # (ED,)
         grad_bias = grad_out.sum((0, 1)) if ctx.has_bias else None
-        return grad_x_pad.to(x_pad.dtype), grad_w.to(w.dtype), grad_bias, None
-
-    @staticmethod
-    def jvp(ctx, *tangents):
-        raise RuntimeError("forward-mode AD (jvp) is not implemented for the causal conv's written-out "
-                           "backward; shifted_sum under plain autograd supports it")
+        return grad_x_pad.to(x_pad.dtype), torch.stack(grad_w, dim=1).to(w.dtype), grad_bias, None
 
 
 # The fused path. Where the time goes: the reference writes dA, dBx and h to memory as
@@ -1004,7 +1009,9 @@ class _CausalConv(torch.autograd.Function):
 #
 # The chunk length T (MambaConfig.chunk_size, 16 by default) trades the number of calls against
 # the size of the compiled kernels: a longer chunk halves the calls but unrolls a longer loop, in
-# the backward above all, which compiles for longer.
+# the backward above all, which compiles for longer. 16 was measured on a CPU, where 32 trained
+# slower. On a GPU each call costs more Python per kernel (launches, guards, wrappers), so a
+# longer chunk may pay there; no figure for it yet.
 #
 # The loop over chunks. Each call of a compiled function has a fixed cost, paid in Python
 # (guards, wrappers): tens of microseconds on a CPU, as much as the kernel of a small chunk.
@@ -1016,7 +1023,15 @@ class _CausalConv(torch.autograd.Function):
 # Static shapes: every chunk has length T. The last one is padded with identity steps, Δ = 0,
 # which give dA = exp(0) = 1 and dBx = 0, so the state passes through unchanged and the padded
 # outputs are dropped. A new sequence length therefore never triggers a recompile (the compiled
-# loop of a forward pass takes the number of chunks as a dynamic size).
+# loop of a forward pass takes the number of chunks as a dynamic size). Nor does a new batch
+# size (an evaluation's smaller last batch): the batch is compiled as a dynamic size too, except
+# a batch of 1, which torch always specializes. An evaluation runs the graph that training
+# compiled: the chunk's forward runs without autograd in both, on detached inputs.
+#
+# A compiler that fails (none installed, an Inductor or Triton error, a shape it cannot handle,
+# its recompile limit) fails at a call: the first training step, the first evaluation, a new
+# shape. CompiledOrEager runs that call again eagerly and, if the eager call works, warns once
+# and keeps the function eager from then on, so that a long run goes on, slower, never dies.
 #
 # Recompute (training, the paper's §3.3.2): plain autograd through a chunk keeps every step's
 # (b, ED, N) tensors for the backward, so O(b·L·ED·N) is back, and the backward graph it records
@@ -1088,48 +1103,133 @@ def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, keep, grad_out, grad_h):
     return grad_x, grad_delta, grad_A, grad_B, grad_C, grad_D, grad_z, g  # the last g is grad_h0
 
 
-_compiled = {}
+class CompileFallbackWarning(UserWarning):
+    """torch.compile failed for a function that then ran eagerly, as it will from then on."""
+
+
+class CompiledOrEager:
+    """torch.compile(fn, **options) that falls back to fn. A call that raises is made again
+    eagerly: if that works too, the compiler was what failed, so warn once (CompileFallbackWarning)
+    and call fn from then on; an error that fn raises as well is the caller's, and is raised.
+
+    compile_backward_now: compile a training graph's backward when its forward compiles (torch
+    defers it to the first backward, outside this call and its fallback). batch_args: the names of
+    fn's arguments whose dim 0 is the batch, compiled as a dynamic size. fallback=False: raise
+    instead, for a caller with a better plan."""
+
+    def __init__(self, fn, what, compile_backward_now=False, batch_args=(), fallback=True, **options):
+        self.fn, self.what, self.batch_args, self.fallback = fn, what, batch_args, fallback
+        self.compiled = torch.compile(fn, **options)
+        self.compile_backward_now = compile_backward_now and hasattr(torch._functorch.config,
+                                                                      "force_non_lazy_backward_lowering")
+        self.failed = False
+        self.arg_names = list(inspect.signature(fn).parameters)
+
+    def compiled_call(self, *args):
+        for name, t in zip(self.arg_names, args):
+            if name in self.batch_args and t is not None:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        if self.compile_backward_now:
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                return self.compiled(*args)
+        return self.compiled(*args)
+
+    def __call__(self, *args):
+        # fn itself inside a model being compiled (that compile traces fn) and under torch.func's
+        # grad or vmap (whose wrapped tensors a compiled graph does not take: not a failure)
+        if self.failed or torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+            return self.fn(*args)
+        try:
+            return self.compiled_call(*args)
+        except Exception as err:
+            if not self.fallback:
+                raise
+            out = self.fn(*args)
+            self.failed = True
+            while getattr(err, "inner_exception", None) or err.__cause__:  # the compiler's own error,
+                err = getattr(err, "inner_exception", None) or err.__cause__  # under torch's wrappers
+            message = (str(err).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"torch.compile failed for {self.what} ({type(err).__name__}: {message}); it runs "
+                          f"eagerly from now on", CompileFallbackWarning, stacklevel=2)
+            return out
+
+
+_compiled = {}  # (fn, device type) -> CompiledOrEager
+
+
+def _compile_options(device):
+    # On a CPU, Inductor's C++ wrapper instead of its Python one: the code around the kernels
+    # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++, which trims
+    # the fixed cost of every call.
+    return {"cpp_wrapper": True} if device.type == "cpu" else None
 
 
 def _maybe_compiled(fn, compile, device):
-    """fn itself, or its torch.compile'd version (made once per device type, static shapes)."""
-    if not compile:
+    """fn itself, or its torch.compile'd version (made once per device type; static shapes but the
+    batch). After a compiler failure on a device the fused path runs eagerly there, the chunk's
+    backward too: one warning, and no time spent on compiles that would fail alike. Inside a
+    model that torch.compile compiles whole, fn itself: that compile traces it."""
+    if not compile or torch.compiler.is_compiling() or any(c.failed for (_, on), c in _compiled.items()
+                                                           if on == device.type):
         return fn
     key = (fn, device.type)
     if key not in _compiled:
-        # On a CPU, Inductor's C++ wrapper instead of its Python one: the code around the kernels
-        # (output allocation, views, the compiled loop of _chunk_loop) then runs in C++, which
-        # trims the fixed cost of every call.
-        options = {"cpp_wrapper": True} if device.type == "cpu" else None
-        _compiled[key] = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+        _compiled[key] = CompiledOrEager(fn, f"the fused selective scan ({fn.__name__} on {device.type})",
+                                         batch_args=("x", "delta", "B", "C", "z", "h", "h0", "keep", "grad_out",
+                                                     "grad_h"),
+                                         fallback=fn is not _chunk_loop,  # _forward_in_one_call has its own
+                                         dynamic=False, fullgraph=True, options=_compile_options(device))
     return _compiled[key]
 
 
 class _RecomputedChunk(torch.autograd.Function):
+    """One chunk with the recomputing backward: saves the inputs only. Its forward runs the
+    compiled _scan_chunk without autograd, on detached inputs, as an evaluation does (one graph
+    for both); torch.func.vmap runs both passes on batched tensors (generate_vmap_rule)."""
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, x, delta, A, B, C, D, z, h, compile, keep):
-        ctx.compile = compile
-        ctx.save_for_backward(x, delta, A, B, C, D, z, h, keep)  # the inputs only, no states
+    def forward(x, delta, A, B, C, D, z, h, compile, keep):
         return _maybe_compiled(_scan_chunk, compile, x.device)(*_detached(x, delta, A, B, C, D, z, h, keep))
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        *tensors, ctx.compile, keep = inputs
+        ctx.save_for_backward(*tensors, keep)  # the inputs only, no states
+
+    @staticmethod
     def backward(ctx, grad_y, grad_h):
-        # Its gradients are computed, not recorded, so they cannot be differentiated again. Say
-        # so: @once_differentiable would let torch.autograd.functional.hessian return zeros.
-        if torch.is_grad_enabled():
-            raise RuntimeError("the fused selective scan's recomputing backward cannot be differentiated "
-                               "again (create_graph=True, a Hessian); use recompute=False (plain autograd "
-                               "through each chunk) or backend='sequential'")
+        if torch.is_grad_enabled():  # create_graph=True or torch.func.grad: a graph to differentiate again
+            return (*_chunk_gradients_recorded(ctx, grad_y, grad_h), None, None)
         # contiguous, as in the forward: grad_y arrives as a slice of the whole sequence's gradient
         backward = _maybe_compiled(_scan_chunk_backward, ctx.compile, grad_y.device)
         grads = backward(*_detached(*ctx.saved_tensors), grad_y.contiguous(), grad_h.contiguous())
         return (*grads, None, None)
 
 
+def _chunk_gradients_recorded(ctx, grad_y, grad_h):
+    """The chunk's gradients as a graph that can be differentiated again (a Hessian, torch.func.grad):
+    _scan_chunk recomputed eagerly under autograd and differentiated with create_graph. Only then;
+    a plain backward takes the recomputing backward."""
+    *inputs, keep = ctx.saved_tensors
+    wanted = [i for i, t in enumerate(inputs) if t is not None and ctx.needs_input_grad[i]]
+    with torch.enable_grad():
+        # through aliases: autograd.grad with respect to A itself would also follow A's path
+        # through h into the chunks before, which their own backward counts
+        inputs = [None if t is None else t.view_as(t) for t in inputs]
+        y, h = _scan_chunk(*inputs, keep)
+        found = torch.autograd.grad((y, h), [inputs[i] for i in wanted], (grad_y, grad_h), create_graph=True)
+    grads = [None] * len(inputs)
+    for i, g in zip(wanted, found):
+        grads[i] = g
+    return grads
+
+
 def _detached(*tensors):
     # The first chunk's start state is a plain zero tensor, the later ones come out of autograd
-    # and require grad. The compiled code guards on requires_grad, so without this the first
-    # chunk and the others would each compile their own copy of the same graph.
+    # and require grad; D is a Parameter. The compiled code guards on requires_grad and on the
+    # type, so without this the first chunk, the others and a no-grad pass would each compile
+    # their own copy of the same graph.
     return [None if t is None else t.detach() for t in tensors]
 
 
@@ -1170,17 +1270,17 @@ def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
         if t is not None:  # K changes with the length: a dynamic size, so no recompile
             torch._dynamo.maybe_mark_dynamic(t, 1)
     x_k, delta_k, B_k, C_k, z_k = parts  # (b, K, T, ED|N)
-    try:
+    try:  # where it fails, one compiled call per chunk beats the scan operator run eagerly
         y, h = _maybe_compiled(_chunk_loop, True, x.device)(x_k, delta_k, A, B_k, C_k, D, z_k, h)
-    except torch._dynamo.exc.TorchDynamoException as e:
+    except Exception as e:
         _compiled_loop_works = False
         warnings.warn(f"compiling the loop over chunks failed ({type(e).__name__}: {e}); compiled "
-                      f"forward passes now call the compiled chunk once per chunk instead")
+                      f"forward passes now call the compiled chunk once per chunk instead", CompileFallbackWarning)
         return None
     return y.flatten(1, 2), h  # (b, K·T, ED), (b, ED, N)
 
 
-def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=16,
+def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=MambaConfig.chunk_size,
                          recompute=True, compile=False, reset=None):
     """The scan chunk by chunk, computed in fp32 at least (as section 2). Returns y (b, L, ED) and
     the final state (b, ED, N)."""
@@ -1199,7 +1299,7 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     h = x.new_zeros(b, ed, A.shape[1]) if h0 is None else h0.to(x.dtype)  # (b, ED, N)
     recompute = recompute and needs_grad
     if compile == "loop" and not needs_grad and _compiled_loop_works and keep is None:
-        out = _forward_in_one_call(x, delta, A, B, C, D, z, h, T)
+        out = _forward_in_one_call(*_detached(x, delta, A, B, C, D, z, h), T)
         if out is not None:
             return out[0][:, :l], out[1]  # (b, L, ED), (b, ED, N)
     step = _maybe_compiled(_scan_chunk, compile, x.device)
@@ -1216,8 +1316,10 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     for x_c, delta_c, B_c, C_c, z_c, keep_c in zip(*map(chunks, (x, delta, B, C, z, keep))):
         if recompute:
             y, h = _RecomputedChunk.apply(x_c, delta_c, A, B_c, C_c, D, z_c, h, compile, keep_c)
-        else:
+        elif needs_grad:  # plain autograd through each chunk
             y, h = step(x_c, delta_c, A, B_c, C_c, D, z_c, h, keep_c)
+        else:  # forward only: the graph that training's _RecomputedChunk compiled
+            y, h = step(*_detached(x_c, delta_c, A, B_c, C_c, D, z_c, h, keep_c))
         ys.append(y)
     return torch.cat(ys, dim=1)[:, :l], h  # (b, L, ED), (b, ED, N)
 
@@ -1240,7 +1342,7 @@ COMPILE_MODES = (False, True, "loop")
 
 
 def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
-                   return_last_state=False, chunk_size=16, recompute=True, reset=None):
+                   return_last_state=False, chunk_size=MambaConfig.chunk_size, recompute=True, reset=None):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z): selective_scan_reference
     or this section's fused path, with the same numbers to rounding.
 
@@ -2211,7 +2313,8 @@ def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask)
     """forward's arguments; returns the mixers' keyword arguments (_check_use). Values are read
     where that costs no device sync: CPU ids, or a prefill (want_cache), once per prompt."""
     _check_token_ids(input_ids)
-    read_values = want_cache or input_ids.device.type == "cpu"
+    # not while torch.compile traces the model: a value read there would cut the graph in two
+    read_values = (want_cache or input_ids.device.type == "cpu") and not torch.compiler.is_compiling()
     if read_values:
         _check_token_range(input_ids, model.cfg.vocab_size)
     return _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values)

@@ -304,19 +304,19 @@ def _two_level(x, w, reverse=False, chunk_size=64):
 #
 # So the backward needs only a and h, and runs the same scan backwards.
 
-def _backward(fn, ctx, a, h, h0, grad_h):
-    """The three formulas above, with fn's scan run in reverse. -> grad_a, grad_b, grad_h0"""
+def _backward(ctx, a, h, h0, grad_h):
+    """The three formulas above, with the forward's scan run in reverse. -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
     g = grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
-    g = fn._scan(g, a[:, 1:].to(dtype), True, *ctx.extra)  # g_t = grad_t + a_{t+1} * g_{t+1}
+    g = ctx.scan(g, a[:, 1:].to(dtype), True, *ctx.extra)  # g_t = grad_t + a_{t+1} * g_{t+1}
     grad_a = grad_h0 = None
     if ctx.needs_input_grad[0]:
         grad_a = torch.empty_like(g)  # (batch, L, *rest)
-        torch.mul(g[:, 1:], h[:, :-1], out=grad_a[:, 1:])
+        grad_a[:, 1:] = g[:, 1:] * h[:, :-1]  # not torch.mul(out=a slice): torch.compile refuses that
         if h0 is None:
             grad_a[:, 0].zero_()
         else:
-            torch.mul(g[:, 0], h0.to(dtype), out=grad_a[:, 0])
+            grad_a[:, 0] = g[:, 0] * h0.to(dtype)
         grad_a = grad_a.to(a.dtype)
     if h0 is not None and ctx.needs_input_grad[2]:
         grad_h0 = (g[:, 0] * a[:, 0].to(dtype)).to(h0.dtype)  # (batch, *rest)
@@ -325,51 +325,45 @@ def _backward(fn, ctx, a, h, h0, grad_h):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """A scan with the backward above: a subclass sets `_scan(x, w, reverse, *extra)`. h comes back
-    in the accumulation dtype. Appendix A adds second derivatives and forward mode."""
+    """A scan with the backward above: scan(x, w, reverse, *extra) is one of the scans above, extra
+    a tuple of its further arguments. h comes back in the accumulation dtype. Static methods, the
+    scan an argument: the form that torch.compile traces. Appendix A adds second derivatives and
+    forward mode."""
 
-    @classmethod
-    def forward(cls, a, b, h0, dtype, *extra):
+    @staticmethod
+    def forward(a, b, h0, dtype, scan, extra):
         h = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
         if h0 is not None:
             h[:, 0].addcmul_(a[:, 0].to(dtype), h0.to(dtype))  # fold h0 into the first step
-        return cls._scan(h, a[:, 1:].to(dtype), False, *extra)
+        return scan(h, a[:, 1:].to(dtype), False, *extra)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        a, _, h0, _, *extra = inputs
-        ctx.extra = tuple(extra)
+        a, _, h0, _, ctx.scan, ctx.extra = inputs
         ctx.save_for_backward(a, output, h0)
 
-    @classmethod
-    def backward(cls, ctx, grad_h):
+    @staticmethod
+    def backward(ctx, grad_h):
         a, h, h0 = ctx.saved_tensors
-        return (*_backward(cls, ctx, a, h, h0, grad_h), None) + (None,) * len(ctx.extra)
+        return (*_backward(ctx, a, h, h0, grad_h), None, None, None)
 
 
-class _BrentKung(_ScanFunction):
-    _scan = staticmethod(_brent_kung_)
-
-
-class _HillisSteele(_ScanFunction):
-    _scan = staticmethod(_hillis_steele)
-
-
-class _TwoLevel(_ScanFunction):
-    _scan = staticmethod(_two_level)
+def _run(scan, a, b, h0, dtype, extra=()):
+    """h from _ScanFunction with the given scan (appendix A puts its own version in place)."""
+    return _ScanFunction.apply(a, b, h0, dtype, scan, extra)
 
 
 def pscan(a, b, h0=None):
     """Blelloch's work-efficient scan, up-sweep and down-sweep (section 5; inclusive, as Brent-Kung's
     tree), with the reverse-scan backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
-    return _BrentKung.apply(a, b, h0, dtype).to(a.dtype)
+    return _run(_brent_kung_, a, b, h0, dtype).to(a.dtype)
 
 
 def scan_hillis_steele(a, b, h0=None):
     """Hillis-Steele scan (log2(L) levels, ~L·log2(L) combines). Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
-    return _HillisSteele.apply(a, b, h0, dtype).to(a.dtype)
+    return _run(_hillis_steele, a, b, h0, dtype).to(a.dtype)
 
 
 def scan_two_level(a, b, h0=None, chunk_size=64):
@@ -377,8 +371,7 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
     Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
     _check_chunk_size(chunk_size)
-    return _TwoLevel.apply(a, b, h0, dtype, chunk_size).to(a.dtype)
-
+    return _run(_two_level, a, b, h0, dtype, (chunk_size,)).to(a.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -422,6 +415,12 @@ def scan(a, b, h0=None, backend="auto"):
 #     ḣ_t = a_t * ḣ_{t-1} + (ȧ_t * h_{t-1} + ḃ_t),    ḣ_{-1} = ḣ0,
 # the same recurrence with the forcing term ȧ_t * h_{t-1} + ḃ_t. torch.func.vmap needs no rule
 # of its own: generate_vmap_rule lets torch run forward and backward on batched tensors.
+#
+# torch.compile (torch 2.13) refuses to trace an autograd Function that defines a jvp: the scan
+# would be cut out of the compiled graph and run eagerly between two graphs. So these live in a
+# subclass, _ScanWithJvp, which eager code runs, while code being compiled keeps section 8's
+# _ScanFunction: _run below chooses. (Neither forward mode nor a second derivative goes through
+# compiled code in torch anyway.)
 
 def _previous_states(h, h0):
     """(batch, L, *rest): h_{t-1} for every t, with h0 (or zeros) before the first step."""
@@ -429,46 +428,49 @@ def _previous_states(h, h0):
     return torch.cat([first, h[:, :-1]], dim=1)
 
 
-def _backward_recorded(fn, ctx, a, h, h0, grad_h):
+def _backward_recorded(ctx, a, h, h0, grad_h):
     dtype = h.dtype
     a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1).to(dtype)  # a_{t+1}, 0 at the end
     # time-reversed, g_t = a_{t+1}*g_{t+1} + grad_t is a forward recurrence from zero
-    g = fn.apply(a_next.flip(1), grad_h.to(dtype).flip(1), None, dtype, *ctx.extra).flip(1)
+    g = _run(ctx.scan, a_next.flip(1), grad_h.to(dtype).flip(1), None, dtype, ctx.extra).flip(1)
     grad_a = (g * _previous_states(h, h0)).to(a.dtype)
     grad_h0 = None if h0 is None else (g[:, 0] * a[:, 0].to(dtype)).to(h0.dtype)
     return grad_a, g.to(a.dtype), grad_h0
 
 
-def _jvp(cls, ctx, tan_a, tan_b, tan_h0, *_):
-    a, h, h0 = ctx.saved_tensors
-    dtype = h.dtype
-    forcing = torch.zeros_like(h) if tan_b is None else tan_b.to(dtype)  # (batch, L, *rest)
-    if tan_a is not None:
-        forcing = forcing + tan_a.to(dtype) * _previous_states(h, h0)
-    return cls.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, *ctx.extra)
+class _ScanWithJvp(_ScanFunction):
+    """Section 8's Function with a backward of any order, forward mode and vmap."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _ScanFunction.setup_context(ctx, inputs, output)
+        a, _, h0, *_ = inputs
+        ctx.save_for_forward(a, output, h0)  # what jvp reads as ctx.saved_tensors
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        a, h, h0 = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative follows
+            grads = _backward_recorded(ctx, a, h, h0, grad_h)
+        else:
+            grads = _backward(ctx, a, h, h0, grad_h)
+        return (*grads, None, None, None)
+
+    @staticmethod
+    def jvp(ctx, tan_a, tan_b, tan_h0, *_):
+        a, h, h0 = ctx.saved_tensors
+        dtype = h.dtype
+        forcing = torch.zeros_like(h) if tan_b is None else tan_b.to(dtype)  # (batch, L, *rest)
+        if tan_a is not None:
+            forcing = forcing + tan_a.to(dtype) * _previous_states(h, h0)
+        return _ScanWithJvp.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, ctx.scan,
+                                  ctx.extra)
 
 
-def _setup_context_for_jvp(ctx, inputs, output):
-    _setup_context(ctx, inputs, output)
-    a, _, h0, *_ = inputs
-    ctx.save_for_forward(a, output, h0)  # what _jvp reads as ctx.saved_tensors
-
-
-def _backward_any_order(cls, ctx, grad_h):
-    a, h, h0 = ctx.saved_tensors
-    if torch.is_grad_enabled():  # create_graph=True: a second derivative follows
-        grads = _backward_recorded(cls, ctx, a, h, h0, grad_h)
-    else:
-        grads = _backward(cls, ctx, a, h, h0, grad_h)
-    return (*grads, None) + (None,) * len(ctx.extra)
-
-
-# section 8's class, with these in place of its setup_context and backward
-_setup_context = _ScanFunction.setup_context
-_ScanFunction.setup_context = staticmethod(_setup_context_for_jvp)
-_ScanFunction.backward = classmethod(_backward_any_order)
-_ScanFunction.jvp = classmethod(_jvp)
-_ScanFunction.generate_vmap_rule = True
+def _run(scan, a, b, h0, dtype, extra=()):  # in place of section 8's
+    function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
+    return function.apply(a, b, h0, dtype, scan, extra)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -476,8 +478,11 @@ _ScanFunction.generate_vmap_rule = True
 # ------------------------------------------------------------------------------------------------
 # torch ships a generic parallel scan, torch._higher_order_ops.associative_scan (a prototype,
 # private API), which takes the combine rule as a Python function (_combine, as it is). Its
-# combine_mode argument (pytorch/pytorch#133012) selects "pointwise", which compiles the scan
-# into one Triton kernel and needs a CUDA or XPU device, or "generic", which runs anywhere. A
+# combine_mode argument (pytorch/pytorch#133012) selects "pointwise", for a combine made of
+# pointwise ops on CUDA or XPU tensors, or "generic", which runs anywhere. Inside a function
+# that torch.compile compiles, Inductor lowers a "pointwise" scan into one Triton kernel; called
+# eagerly, as below, both modes run torch's generic algorithm, a tree of batched combines
+# (torch 2.13 routes "pointwise" through Dynamo with its eager backend, which compiles nothing). A
 # torch without that argument gets a RuntimeError; requirements.txt asks for torch >= 2.6. The
 # scan runs without autograd, and section 8's backward, which needs only a and h, serves it,
 # with the Brent-Kung tree running the reverse scan.
@@ -507,14 +512,10 @@ def _associative(x, w, reverse=False):
     return h.contiguous()
 
 
-class _AssociativeScan(_ScanFunction):
-    _scan = staticmethod(_associative)
-
-
 def scan_associative(a, b, h0=None):
     """torch's associative_scan with the reverse-scan backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
-    return _AssociativeScan.apply(a, b, h0, dtype).to(a.dtype)
+    return _run(_associative, a, b, h0, dtype).to(a.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -545,6 +546,13 @@ CPU_LOOP_MIN_WIDTH = 8192
 GPU_LOOP_MIN_WIDTH = 2 ** 19
 
 
+@torch.compiler.assume_constant_result
+def _one_thread():
+    # torch.compile cannot put a call that returns a number into its graph (it would break the
+    # graph there); marked so, the call is made while tracing and its answer kept
+    return torch.get_num_threads() == 1
+
+
 def choose_backend(a, b, h0=None):
     """The backend that scan(a, b, h0, backend="auto") runs: "sequential" or "pscan"."""
     _check_inputs(a, b, h0)
@@ -558,8 +566,7 @@ def backend_for(device, width, needs_grad):
     if needs_grad:
         return "pscan"
     if device.type == "cpu":
-        # read only on a CPU: torch.compile cannot trace this call (a graph break)
-        wide, one_thread = width >= CPU_LOOP_MIN_WIDTH, torch.get_num_threads() == 1
+        wide, one_thread = width >= CPU_LOOP_MIN_WIDTH, _one_thread()
         return "sequential" if wide and one_thread else "pscan"
     return "sequential" if width >= GPU_LOOP_MIN_WIDTH else "pscan"
 

@@ -54,15 +54,16 @@ def test_run_capped_kills_every_process_the_part_started_at_the_deadline(tmp_pat
     assert not marker.exists()
 
 
-PARTS = ["train_shakespeare.py --arch mamba ", "train_shakespeare.py --arch gpt ", "eager paths",
-         "-m 'not compile'", "train_shakespeare.py --arch mamba2 ",
-         "train_shakespeare.py --arch mamba3 ", "compiled paths", "-m compile"]
+PARTS = ["--arch mamba --max-iters", "--arch gpt --max-iters", "--arch mamba --compile --max-iters",
+         "--arch gpt --compile-model --max-iters", "--arch mamba --max-time", "--arch gpt --max-time",
+         "-m 'not compile'", "--arch mamba2 --max-iters", "--arch mamba3 --max-iters", "eager paths",
+         "compiled paths", "-m compile"]
 
 
-def bench_gpu_tiny(text_file, budget, iters):
+def bench_gpu_tiny(text_file, budget, steps):
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "bench.py", "gpu", "--tiny", "--data", text_file, "--budget", str(budget),
-                          "--train-iters", str(iters), "--repeats", "2"],
+                          "--steps", str(steps), "--race-time", "3", "--repeats", "2"],
                          cwd=HERE, capture_output=True, text=True, timeout=budget + 120)
     return out.stdout + out.stderr, out.returncode, time.perf_counter() - t0
 
@@ -83,23 +84,45 @@ def test_bench_gpu_tiny_keeps_the_order_and_the_budget(text_file):
     seen = [out.find(part) for part in PARTS]
     started = [i for i in seen if i >= 0]
     assert seen[0] >= 0 and started == sorted(started), out
-    assert re.search(r"\| +mamba \| +[\d.]+M \| +bf16 \| +[\d.]+ \(step 2\)", out), out  # CPU autocast, as on CUDA
+    # CPU autocast, as on CUDA, to the last step
+    assert re.search(r"\| +--arch mamba --max-iters 2 --eval-iters 4 \| +[\d.]+M \| +bf16 \|.*\| +2 \|", out), out
     if -1 in seen or "killed at the deadline" in out:
         assert status == 1
 
 
 @pytest.mark.compile
 def test_bench_gpu_tiny_runs_every_part_in_order_on_the_cpu(text_file):
-    out, status, _ = bench_gpu_tiny(text_file, 480, 4)
+    out, status, _ = bench_gpu_tiny(text_file, 900, 14)
     assert status == 0, out
     positions = [out.find(part) for part in PARTS]
     assert -1 not in positions and positions == sorted(positions), out
     rows = [line for line in out.splitlines() if line.startswith("|") and "---" not in line]
     assert not [r for r in rows if "failed" in r or "killed" in r or "skipped" in r], out
-    for arch in ("mamba", "gpt", "mamba2", "mamba3"):
-        row = next(r for r in rows if r.replace(" ", "").startswith(f"|{arch}|"))
-        assert re.search(r"\| +bf16 \|", row) and "(step 4)" in row, row  # CPU bf16 autocast, to the end
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    for flags in ("--arch mamba", "--arch gpt", "--arch mamba --compile", "--arch gpt --compile-model",
+                  "--arch mamba2", "--arch mamba3"):
+        row = next(c for c in cells if c[0].startswith(f"{flags} --max-iters"))
+        # CPU bf16 autocast, to the end; ms/step of steps 12 and 14 (the log's every second step)
+        assert row[2] == "bf16" and row[4] and row[7] == "14", row
+    for arch in ("mamba", "gpt"):  # the racers trained and evaluated
+        row = next(c for c in cells if c[0].startswith(f"--arch {arch} --max-time"))
+        assert row[2] == "bf16" and float(row[8]) > 0, row
     assert "fell back" not in out  # compile="loop" compiled its loop
+
+
+@pytest.mark.compile
+def test_bench_graphs_counts_one_compile_per_graph_and_none_after_the_first_step(monkeypatch, capsys):
+    # Dynamo only (the eager backend): Mamba-1's fused path makes its two graphs (the chunk and its
+    # backward) at the first training step and none after, evaluation and a smaller batch included;
+    # Mamba-3 and the GPT compiled whole are one graph per grad mode and batch size, with no break
+    monkeypatch.setattr(bench, "GRAPH_CASES", ("mamba --compile", "mamba3 --compile-model", "gpt --compile-model"))
+    bench.bench_graphs(argparse.Namespace(backend="eager"), torch.device("cpu"))
+    out = capsys.readouterr().out
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in out.splitlines() if line.startswith("|"))}
+    assert rows["mamba --compile"][:6] == ["2", "0", "0", "2 / 0 / 0 / 0", "0 / 0 / 0 / 0", "0 / 0 / 0 / 0"], out
+    for case in ("mamba3 --compile-model", "gpt --compile-model"):
+        assert rows[case][:5] == ["3", "0", "2", "1 / 0 / 1 / 1", "0 / 0 / 0 / 0"], out
 
 
 def test_a_compile_loop_row_says_when_it_fell_back_to_per_chunk_calls(monkeypatch):

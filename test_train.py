@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -999,9 +1000,16 @@ def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path,
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.setattr(mm, "_compiled", {}, raising=False)  # no compiled function from an earlier test
     monkeypatch.setattr(m2, "_compiled_forward", functools.cache(m2._compiled_forward.__wrapped__))
-    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
-    notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
-    assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
+    if flag == "--compile-model":  # the trainer's torch.compile of the whole model: the trainer falls back
+        out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
+        notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
+        assert len(notes) == 1 and "no working C++ compiler found); training eagerly" in notes[0]
+    else:  # --compile: the model's compiled functions fall back themselves (mamba_minimal.CompiledOrEager)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
+        notes = [str(w.message) for w in caught if issubclass(w.category, mm.CompileFallbackWarning)]
+        assert len(notes) == 1 and "no working C++ compiler found); it runs eagerly from now on" in notes[0], notes
     assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))
 
 
@@ -1009,9 +1017,10 @@ def test_a_failing_compiler_falls_back_to_eager_with_a_note(text_file, tmp_path,
 def test_a_compiler_that_fails_only_at_the_first_evaluation_falls_back_before_training(
         text_file, tmp_path, capsys, monkeypatch, flag):
     # an evaluation runs without autograd, which compiles graphs of its own: the one-time check
-    # before the loop runs both kinds, so such a failure is caught there, not at the first evaluation
-    # (Mamba-1's --compile is left out: its compiled chunk runs inside an autograd Function, without
-    # autograd in training too)
+    # before the loop runs both kinds, so such a failure is caught there, not at the first evaluation.
+    # Mamba-2's --compile compiles its mixer for training only: its evaluation runs eagerly, and
+    # such a compiler never fails it (Mamba-1's --compile is left out: its compiled chunk runs
+    # inside an autograd Function, without autograd in training too)
     import mamba2_minimal as m2
 
     def compile_failing_without_grad(fn, *a, **k):
@@ -1028,9 +1037,14 @@ def test_a_compiler_that_fails_only_at_the_first_evaluation_falls_back_before_tr
     run(common + ["--out-dir", str(tmp_path / "eager")], capsys)
     monkeypatch.setattr(torch, "compile", compile_failing_without_grad)
     monkeypatch.setattr(m2, "_compiled_forward", functools.cache(m2._compiled_forward.__wrapped__))
-    out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run(common + ["--out-dir", str(tmp_path / "fallback"), flag.split()[-1]], capsys)
     notes = [l for l in out.splitlines() if l.startswith("note: torch.compile failed")]
-    assert len(notes) == 1 and out.index(notes[0]) < out.index("step 1/4")
+    if flag == "--compile-model":
+        assert len(notes) == 1 and out.index(notes[0]) < out.index("step 1/4")
+    else:
+        assert not notes and not [w for w in caught if "torch.compile failed" in str(w.message)]
     assert without_elapsed(evals(str(tmp_path / "fallback"))) == without_elapsed(evals(str(tmp_path / "eager")))
 
 

@@ -462,8 +462,9 @@ def test_compiled_mamba2_mixer_takes_packed_rows_and_left_padding():
     ids, seq_idx = packed_row([5, 11])
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
+    # with autograd on: the compiled mixer serves training (a forward without autograd runs eagerly)
+    packed, padded = (out.detach() for out in (model(ids, seq_idx=seq_idx), model(ids, attention_mask=mask)))
     with torch.no_grad():
-        packed, padded = model(ids, seq_idx=seq_idx), model(ids, attention_mask=mask)
         model.cfg.compile_mixer = False  # the oracle: each document and each row alone, eagerly
         for doc in (slice(0, 5), slice(5, 16)):
             torch.testing.assert_close(packed[:, doc], model(ids[:, doc]), atol=1e-5, rtol=1e-4)
