@@ -354,7 +354,8 @@ class Run:
             dist.barrier()  # rank 0 has finished writing best.pt
         self.raw_model.load_state_dict(load_best(self)["model"])  # this run's (see start_or_resume)
         starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
-        # eager, even after --compile: the last, smaller batch would cost a compile of its own
+        # eager, even after --compile: the split's last batch may be a single window, which would compile
+        # again (torch specializes a batch of 1)
         set_compiled(self.raw_model, False)
         full_val = mean_loss(self.raw_model, self.val_data, starts, self.vocab_size, args, self.device, self.autocast)
         log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
