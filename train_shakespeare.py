@@ -569,10 +569,10 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 DTYPE_HELP = ("the precision of the matmuls, through torch.autocast; the weights, the optimizer and the SSM "
               "state stay fp32. Default: bf16 on a GPU that computes in it, fp16 with loss scaling on older "
               "GPUs (fp16 is meant for those GPUs); on a CPU, bf16 for --arch mamba "
-              "where the CPU has bf16 instructions (AVX-512-BF16 or AMX-BF16), else fp32. Raced on a 2-core Intel "
-              "Xeon VM with AVX-512-BF16 and AMX (busy), `python bench.py race --racers mamba_fp32,mamba_bf16 "
-              "--max-time 300 --together`, four pairs: fp32 437, 151, 136, 331 steps, best val 1.7605, 1.9226, "
-              "1.9420, 1.7970; bf16 428, 152, 139, 329 steps, 1.7630, 1.9217, 1.9379, 1.7940 (RESULTS.md)")
+              "where the CPU has bf16 instructions (AVX-512-BF16 or AMX-BF16), else fp32. Raced on a busy 2-core "
+              "Intel Xeon VM with AVX-512-BF16 and AMX, `python bench.py race --racers mamba_fp32,mamba_bf16 "
+              "--max-time 300 --together`, six pairs: bf16's best val from 0.003 above fp32's to 0.013 below, "
+              "its steps from 1%% fewer to 7%% more (RESULTS.md)")
 
 
 def cpu_computes_in_bf16():
