@@ -3,13 +3,15 @@ pscan.py: the recurrence at the heart of Mamba, and every way to run it
 
     h_t = a_t * h_{t-1} + b_t          t = 0 .. L-1, from h_{-1} = h0 (zero by default)
 
-In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) a_t = exp(Δ_t·A) is a decay in
-(0, 1) and b_t = Δ_t·B_t·x_t, elementwise over every (channel, state) pair: the paper's Ā_t and
-B̄_t·x_t. Ā = exp(Δ·A) and B̄ ≈ Δ·B are the SSM's matrices A and B sampled with a step Δ (B̄ to
-first order, as the official code does); mamba_minimal.py §1 derives them.
+In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) the state h(t) of a continuous
+SSM, h'(t) = A·h(t) + B·x(t), with x the layer's input, is sampled with a step Δ_t > 0 computed
+from the token: Ā_t = exp(Δ_t·A) and B̄_t ≈ Δ_t·B_t (to first order, as the official code does;
+mamba_minimal.py §1 derives both). So a_t = Ā_t is a decay in (0, 1) (exactly 1 for a padding
+step, Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.
 The lesson: 1. the loop (scan_sequential), 2. the convolution view (why S4 needed no scan), 3. the
 combine rule, 4. work and depth, 5. Blelloch's work-efficient scan (pscan), 6. the Hillis-Steele
-scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan(). An appendix holds
+scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan(). Sections 6 and 7
+are the other classic tree and a chunked variant: a first reading can skip them. An appendix holds
 the engine: A. double backward, jvp, vmap; B. torch's associative_scan; C. how "auto" chooses;
 D. counting combines; E. checking the inputs and old names; F. segment sums, the decays of the
 matrix (attention) form that Mamba-2 and Mamba-3 use.
@@ -155,9 +157,13 @@ def _combine(first, then):
 #   down 0           └──────┐      └──────┐      └──────┐
 #                          0:3           0:5           0:7
 #
-# Every element t ends holding 0:t+1, its inclusive prefix. (Precisely: Blelloch's 1990 scan is
-# exclusive, each element ends with 0:t; this inclusive form of the same two sweeps is Brent &
-# Kung's 1982 tree, hence the function's name.) Depth: log2(L) levels up and log2(L) - 1 down.
+# Every element t ends holding 0:t+1, its inclusive prefix. (Precisely: Blelloch's 1990 up-sweep
+# and down-sweep compute the exclusive scan, the "prescan", each element ending with 0:t: after the
+# same up-sweep it clears the last element, then at each level hands every left element its
+# parent's prefix and every right element that prefix combined with the old left value. The
+# inclusive down-sweep drawn above, which updates only left elements, is Brent & Kung's 1982 tree,
+# hence the function's name: the same up-sweep, one level fewer down.) Depth: log2(L) levels up
+# and log2(L) - 1 down.
 # Work: about 2L combines (2L - 2 - log2(L) for a power of two), more than the loop's L: the
 # price of the short depth.
 #
@@ -219,7 +225,7 @@ def _brent_kung_(x, w, reverse=False):
 #
 #   scan                work           depth        counted at L = 1024 (`python bench.py depth`)
 #   Hillis-Steele       O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
-#   Blelloch (pscan)    O(L)           O(log L)     2036 combines in 19 levels: up, then down
+#   pscan (section 5)   O(L)           O(log L)     2036 combines in 19 levels: up, then down
 #   loop                L              L            1024 combines in 1024 levels
 #
 # Half the tree's levels, for log2(L)/2 times its work.
@@ -349,8 +355,11 @@ class _ScanFunction(torch.autograd.Function):
 
 
 def _run(scan, a, b, h0, dtype, extra=()):
-    """h from _ScanFunction with the given scan (appendix A puts its own version in place)."""
-    return _ScanFunction.apply(a, b, h0, dtype, scan, extra)
+    """h from the Function above with the given scan. Eager code runs appendix A's subclass of it,
+    _ScanWithJvp: the same forward, and a plain backward that calls _backward above (a breakpoint
+    there stops). Code being compiled runs _ScanFunction itself, which torch.compile can trace."""
+    function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
+    return function.apply(a, b, h0, dtype, scan, extra)
 
 
 def pscan(a, b, h0=None):
@@ -419,7 +428,7 @@ def scan(a, b, h0=None, backend="auto"):
 # torch.compile (torch 2.13) refuses to trace an autograd Function that defines a jvp: the scan
 # would be cut out of the compiled graph and run eagerly between two graphs. So these live in a
 # subclass, _ScanWithJvp, which eager code runs, while code being compiled keeps section 8's
-# _ScanFunction: _run below chooses. (Neither forward mode nor a second derivative goes through
+# _ScanFunction: section 8's _run chooses. (Neither forward mode nor a second derivative goes through
 # compiled code in torch anyway.)
 
 def _previous_states(h, h0):
@@ -467,10 +476,6 @@ class _ScanWithJvp(_ScanFunction):
         return _ScanWithJvp.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, ctx.scan,
                                   ctx.extra)
 
-
-def _run(scan, a, b, h0, dtype, extra=()):  # in place of section 8's
-    function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
-    return function.apply(a, b, h0, dtype, scan, extra)
 
 
 # ------------------------------------------------------------------------------------------------
