@@ -4,10 +4,11 @@ official checkpoints.
 
 Read it top to bottom: sections 1 to 5 are the whole model. By default it runs their selective
 scan and causal conv through section 6's engine, which computes the same numbers (tested to
-rounding) about twice as fast to train; MambaConfig(scan_backend="reference") runs sections 2 and
-3's code itself. The two paths sit side by side at their call sites in MambaMixer, and sections 1 to
-5 call nothing defined after them but through that switch, the loader behind from_pretrained, the
-hybrid layers a config may ask for, and the input checks of the appendix.
+rounding) about 1.5 times as fast to train; MambaConfig(scan_backend="reference") runs sections 2 and
+3's code itself. The two paths sit side by side at their call sites in MambaMixer. Sections 1 to 5
+call nothing defined after them but through that switch, generate's compile option, the loader
+behind from_pretrained and save_pretrained, the hybrid layers and the ablation a config may ask for
+(sections 9 and 10), and the input checks of the appendix.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -62,17 +63,10 @@ import torch.nn.functional as F
 
 import pscan
 
+
 def _at_least_fp32(t):
     """fp16/bf16 -> fp32; fp32 and fp64 stay as they are."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def _in_compute_dtype(*tensors):
-    """Cast to one dtype, at least fp32 (a state sums many small terms): fp64 if any is fp64."""
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return [t.to(dtype) for t in tensors]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -504,8 +498,10 @@ class MambaLM(nn.Module):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
         cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8)."""
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
-        new_document = use.pop("new_document_at_0", None)  # (b,): see seq_idx in section 8
-        if new_document is not None:  # a row whose first token starts a document starts from nothing
+        if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # a piece of a packed row
+            # (section 8): column 0 is the cache's last document; a row whose first token starts
+            # another one starts from nothing
+            new_document, use["seq_idx"] = use["seq_idx"][:, 1] != use["seq_idx"][:, 0], use["seq_idx"][:, 1:]
             cache = [type(c)(t.masked_fill(new_document.view(-1, *(1,) * (t.dim() - 1)), 0) for t in c)
                      for c in cache]
         hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)
@@ -557,7 +553,7 @@ class MambaLM(nn.Module):
             return
         logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
         logits = logits[:, -1]  # (b, V)
-        step = decode_step(self, compile)
+        step = decode_step(self, compile) if compile else self._step  # compiled: section 6
         for i in range(max_new_tokens):
             token = _sample(logits[:, :self.cfg.vocab_size], temperature, top_k, top_p, generator)  # (b,)
             yield token
@@ -686,6 +682,14 @@ def _autocast_off(device):
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def _in_compute_dtype(*tensors):
+    """Cast to one dtype, at least fp32 (a state sums many small terms): fp64 if any is fp64."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return [t.to(dtype) for t in tensors]
 
 
 def _without_autocast(fn):
@@ -2341,9 +2345,6 @@ def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=Tru
         if read_values and (seq_idx.diff(dim=1) < 0).any():
             raise ValueError("seq_idx must be non-decreasing along each row (packed sequences, one after "
                              "another)")
-        if seq_idx.shape[1] == L + 1:
-            use["new_document_at_0"] = seq_idx[:, 1] != seq_idx[:, 0]  # (b,)
-            seq_idx = seq_idx[:, 1:]
         use["seq_idx"] = seq_idx.long()
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, L) \

@@ -615,9 +615,9 @@ def count_combines():
 # ------------------------------------------------------------------------------------------------
 # E. Checking the inputs, and old names
 # ------------------------------------------------------------------------------------------------
-# What every backend accepts, checked before anything runs. The two-level scan was once called
-# "chunked", a word that belongs to Mamba-2's chunked SSD (mamba2_minimal.py): the old names still
-# work, with a DeprecationWarning.
+# What every backend accepts, checked before anything runs. "chunked" (and scan_chunked) is
+# accepted for the two-level scan with a DeprecationWarning: the word belongs to Mamba-2's chunked
+# SSD (mamba2_minimal.py).
 
 scan_chunked = scan_two_level  # deprecated alias
 

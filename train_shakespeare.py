@@ -34,9 +34,8 @@ from mamba_minimal import FUSED_BACKENDS, SCAN_BACKENDS, MambaConfig, MambaLM
 
 DEFAULTS = {
     # 0.83M parameters, 5 minutes: what won `python bench.py sweep` at that budget, as the GPT's below
-    "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, max_iters=1000, lr=6e-3,
-                beta2=0.95, warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto",
-                max_time=300.0, num_evals=10),
+    "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, lr=6e-3, beta2=0.95,
+                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto", max_time=300.0, num_evals=10),
     # 5.8M parameters, the width and depth of nanoGPT's baby GPT (10.65M as it counts: attention plus MLP)
     "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
