@@ -123,8 +123,10 @@ def memory_in_subprocess(spec):
 
 
 def memory_case(spec):
-    """One forward+backward in this (sub)process; prints its peak memory as JSON."""
+    """One forward+backward (or one load) in this (sub)process; prints its peak memory as JSON."""
     torch.set_num_threads(1)
+    if spec["kind"] == "load":
+        return load_case(spec)
     B, L, D, N = spec["shape"]
     if spec["kind"] == "scan":
         inputs = [torch.rand(B, L, D, N, requires_grad=True), torch.randn(B, L, D, N, requires_grad=True)]
@@ -729,6 +731,56 @@ def bench_generate(args, device):
     rows = [[f"{per_token[16]:.2f}", f"{per_token[4096]:.2f}", f"{per_token[4096] / per_token[16]:.2f}", f"{tps:.0f}"]]
     table("recurrent generation, 4 layers, d_model 256: ms per token at two positions, and greedy tokens/s",
           ["ms/token at 16", "ms/token at 4096", "ratio", "greedy tokens/s"], rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading a large checkpoint in bf16: python bench.py load
+# ------------------------------------------------------------------------------------------------
+# from_pretrained(dtype=torch.bfloat16) builds the model on the meta device (shapes, no storage)
+# and assigns the checkpoint's tensors to it, so memory holds the weights once, in bf16. The plain
+# way, an fp32 model built and initialized, then the weights loaded and cast, peaks at the fp32
+# model plus the file's tensors. Both at mamba-1.4b's shape (48 layers of width 2048, vocabulary
+# 50,277) with random weights saved in bf16, each load in a subprocess of its own (peak RSS, with
+# every weight read once: safetensors maps the file, and a mapped page is resident once read).
+
+LOAD_SHAPE = dict(d_model=2048, n_layer=48, vocab_size=50277)  # state-spaces/mamba-1.4b's config.json
+
+
+def load_case(spec):
+    folder = spec["folder"]
+
+    def run():
+        if spec["how"] == "from_pretrained":
+            model = mm.MambaLM.from_pretrained(folder, dtype=torch.bfloat16)
+        else:  # the plain way
+            model = mm.MambaLM(mm.MambaConfig(**LOAD_SHAPE))
+            model.load_state_dict(mm._load_state_dict_file(folder), strict=False)  # tied head: one key
+            model.to(torch.bfloat16)
+        for p in model.parameters():  # read every page: a memory-mapped file counts once it is read
+            p.detach().view(-1)[::1024].sum()
+    print(json.dumps({"gib": peak_extra_bytes(run) / 2**30}))
+
+
+def bench_load(args, device):
+    """Peak memory of loading a 1.4B-parameter Mamba in bf16, the meta-device way and the plain way."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)  # the checkpoint in bf16, as the hub's are stored
+        try:
+            model = mm.MambaLM(mm.MambaConfig(**LOAD_SHAPE))
+        finally:
+            torch.set_default_dtype(torch.float32)
+        n_params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(folder)
+        del model
+        weights = n_params * 2 / 2**30
+        rows = []
+        for how in ("from_pretrained", "fp32 model, load, cast"):
+            gib = memory_in_subprocess({"kind": "load", "folder": folder, "how": how})["gib"]
+            rows.append([how, f"{gib:.2f}", f"{gib / weights:.2f}"])
+    table(f"peak memory of a bf16 load, GiB above the process's start: {n_params / 1e9:.2f}B parameters "
+          f"(mamba-1.4b's shape), {weights:.2f} GiB of bf16 weights", ["load", "peak GiB", "/ the bf16 weights"], rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1739,7 +1791,7 @@ def bench_gpu(args):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
-                                           "train, profile, race, sweep, generate, decode, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, roofline, graphs, "
+                                           "train, profile, race, sweep, generate, decode, load, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, roofline, graphs, "
                                            "all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
@@ -1791,7 +1843,7 @@ def main():
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
               "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "sweep": bench_sweep, "generate": bench_generate, "decode": bench_decode,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
-              "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3, "roofline": bench_roofline,
+              "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3, "roofline": bench_roofline, "load": bench_load,
               "graphs": bench_graphs}
     whats = args.what or ["scan"]
     if whats == ["all"]:
