@@ -747,13 +747,13 @@ LOAD_SHAPE = dict(d_model=2048, n_layer=48, vocab_size=50277)  # state-spaces/ma
 
 
 def load_case(spec):
-    folder = spec["folder"]
+    folder, shape = spec["folder"], spec["shape"]
 
     def run():
         if spec["how"] == "from_pretrained":
             model = mm.MambaLM.from_pretrained(folder, dtype=torch.bfloat16)
         else:  # the plain way
-            model = mm.MambaLM(mm.MambaConfig(**LOAD_SHAPE))
+            model = mm.MambaLM(mm.MambaConfig(**shape))
             model.load_state_dict(mm._load_state_dict_file(folder), strict=False)  # tied head: one key
             model.to(torch.bfloat16)
         for p in model.parameters():  # read every page: a memory-mapped file counts once it is read
@@ -764,11 +764,12 @@ def load_case(spec):
 def bench_load(args, device):
     """Peak memory of loading a 1.4B-parameter Mamba in bf16, the meta-device way and the plain way."""
     import tempfile
+    shape = dict(d_model=128, n_layer=2, vocab_size=1000) if args.quick else LOAD_SHAPE
     with tempfile.TemporaryDirectory() as folder:
         torch.manual_seed(0)
         torch.set_default_dtype(torch.bfloat16)  # the checkpoint in bf16, as the hub's are stored
         try:
-            model = mm.MambaLM(mm.MambaConfig(**LOAD_SHAPE))
+            model = mm.MambaLM(mm.MambaConfig(**shape))
         finally:
             torch.set_default_dtype(torch.float32)
         n_params = sum(p.numel() for p in model.parameters())
@@ -777,10 +778,10 @@ def bench_load(args, device):
         weights = n_params * 2 / 2**30
         rows = []
         for how in ("from_pretrained", "fp32 model, load, cast"):
-            gib = memory_in_subprocess({"kind": "load", "folder": folder, "how": how})["gib"]
+            gib = memory_in_subprocess({"kind": "load", "folder": folder, "how": how, "shape": shape})["gib"]
             rows.append([how, f"{gib:.2f}", f"{gib / weights:.2f}"])
     table(f"peak memory of a bf16 load, GiB above the process's start: {n_params / 1e9:.2f}B parameters "
-          f"(mamba-1.4b's shape), {weights:.2f} GiB of bf16 weights", ["load", "peak GiB", "/ the bf16 weights"], rows)
+          f"({'a toy' if args.quick else 'mamba-1.4b'}'s shape), {weights:.2f} GiB of bf16 weights", ["load", "peak GiB", "/ the bf16 weights"], rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1847,7 +1848,7 @@ def main():
               "graphs": bench_graphs}
     whats = args.what or ["scan"]
     if whats == ["all"]:
-        whats = [w for w in tables if w not in ("race", "sweep")]  # they train for minutes: each runs on its own
+        whats = [w for w in tables if w not in ("race", "sweep", "load")]  # minutes each: each runs on its own
     for what in whats:
         if what not in tables:
             p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")
