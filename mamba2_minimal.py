@@ -427,8 +427,7 @@ class Mamba2Config:
             raise ValueError(f"dt_limit must be (low, high) with 0 <= low <= high, got {self.dt_limit}")
         if not self.norm_epsilon > 0:
             raise ValueError(f"Mamba2Config.norm_epsilon must be positive, got {self.norm_epsilon!r}")
-        if not 0 < self.dt_min <= self.dt_max:
-            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
+        mm._check_dt_init(self)
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, "
                              f"got {self.scan_backend!r}")

@@ -1491,7 +1491,7 @@ def official_lm_fields(d, ours):
 
 
 def _ssm_cfg(d):
-    ssm_cfg = d.get("ssm_cfg") or {}
+    ssm_cfg = {} if d.get("ssm_cfg") is None else d["ssm_cfg"]  # null: the official default
     if not isinstance(ssm_cfg, dict):
         raise ValueError(f"config.json's ssm_cfg must be an object of fields, got a {type(ssm_cfg).__name__}")
     return ssm_cfg
@@ -2152,8 +2152,7 @@ def _check_config(cfg):
         raise ValueError(f"MambaConfig.norm_epsilon must be a positive number, got {cfg.norm_epsilon!r}")
     if cfg.dt_init not in ("random", "constant"):
         raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {cfg.dt_init!r}")
-    if not 0 < cfg.dt_min <= cfg.dt_max:
-        raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
+    _check_dt_init(cfg)
     _check_hybrid_fields(cfg)
     if not isinstance(cfg.selection_off, bool):
         raise ValueError(f"MambaConfig.selection_off must be True or False, got {cfg.selection_off!r}")
@@ -2182,6 +2181,20 @@ def _is_count(value):
 
 def _is_positive_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _check_dt_init(cfg):
+    """The numbers of the Δ init (dt_bias_init, and Mamba-1's dt_scale), in every generation's config:
+    a string or null there would fail deep inside the init, a NaN floor would make every Δ NaN."""
+    name = type(cfg).__name__
+    for key in ("dt_min", "dt_max") + (("dt_scale",) if hasattr(cfg, "dt_scale") else ()):
+        if not _is_positive_number(getattr(cfg, key)):
+            raise ValueError(f"{name}.{key} must be a positive number, got {getattr(cfg, key)!r}")
+    floor = cfg.dt_init_floor
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < math.inf:
+        raise ValueError(f"{name}.dt_init_floor must be a number >= 0, got {floor!r}")
+    if not cfg.dt_min <= cfg.dt_max:
+        raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
 
 
 def _check_hybrid_fields(cfg):
