@@ -304,7 +304,7 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     out_dtype = x.dtype
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     b, L, H, P = x.shape
-    G, N, T = B.shape[2], B.shape[3], chunk_size
+    G, N, T = B.shape[2], B.shape[3], min(chunk_size, L)  # a shorter sequence: one chunk, unpadded
     pad = -L % T
     if pad:  # identity steps: Δ = 0 (and x, B, C = 0, so nothing is read or written)
         x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))

@@ -316,7 +316,7 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
                          f"{reset.dtype if isinstance(reset, torch.Tensor) else type(reset).__name__}")
     q, k, v, dt, adt, lam, theta = _in_compute_dtype(q, k, v, dt, adt, lam, theta)
     b, L, H, P = v.shape
-    R, N, S, T = q.shape[2], q.shape[-1], theta.shape[-1], chunk_size
+    R, N, S, T = q.shape[2], q.shape[-1], theta.shape[-1], min(chunk_size, L)  # a shorter sequence: one chunk
     pad = -L % T
     n_chunks = (L + pad) // T
     if pad:  # identity steps: Δ = 0 (and Δ·A = 0), nothing read or written
