@@ -1762,13 +1762,18 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
     loader would otherwise find a stale model.safetensors before a new pytorch_model.bin."""
     if safe_serialization is None:
         safe_serialization = _safetensors_installed()
+    if safe_serialization:  # before anything in the folder is removed
+        try:
+            from safetensors.torch import save_file
+        except ImportError as err:
+            raise ImportError("safe_serialization=True needs the safetensors package: pip install safetensors "
+                              "(or save_pretrained(folder, safe_serialization=False) for pytorch_model.bin)") from err
     os.makedirs(folder, exist_ok=True)
     for path in _weights_files(folder):
         if os.path.lexists(path):
             os.remove(path)
     state_dict = model.state_dict()
     if safe_serialization:
-        from safetensors.torch import save_file
         if model.cfg.tie_embeddings:
             del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
         _write_atomically(os.path.join(folder, "model.safetensors"),

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -286,6 +287,18 @@ def test_saved_configs_keep_what_is_not_a_default(tmp_path):
     mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, chunk_size=5)).save_pretrained(tmp_path)
     assert "chunk_size" not in json.loads((tmp_path / "config.json").read_text())
 
+
+def test_asking_for_safetensors_without_the_package_names_it_and_keeps_the_saved_weights(tmp_path, monkeypatch):
+    # and the weights already in the folder are kept: they were removed before the import failed
+    old = tiny(1, seed=0)
+    old.save_pretrained(tmp_path, safe_serialization=False)
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors fails, as when not installed
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match="needs the safetensors package: pip install safetensors .*"
+                                          "safe_serialization=False"):
+        tiny(1, seed=1).save_pretrained(tmp_path, safe_serialization=True)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
+    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), old(ids()))
 
 def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monkeypatch):
     pytest.importorskip("safetensors")
