@@ -503,7 +503,7 @@ class MambaLM(nn.Module):
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
         cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8).
-        Under torch.func (vmap, grad) only their shapes are checked, not their values."""
+        Batched by torch.func.vmap, only their shapes are checked, not their values."""
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
         new_document = use.pop("new_document_at_0", None)  # (b,): see seq_idx in section 8
         if new_document is not None:  # a row whose first token starts a document starts from nothing
@@ -2333,12 +2333,23 @@ def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask)
     where that costs no device sync: CPU ids, or a prefill (want_cache), once per prompt."""
     _check_token_ids(input_ids)
     # not while torch.compile traces the model: a value read there would cut the graph in two; nor
-    # under a torch.func transform (vmap has no single value to read): the shapes only
+    # where torch.func.vmap batches an argument: a batched tensor has no single value to read
     read_values = (want_cache or input_ids.device.type == "cpu") and not torch.compiler.is_compiling() \
-        and torch._C._functorch.maybe_current_level() is None
+        and not any(_batched_by_vmap(t) for t in (input_ids, seq_idx, attention_mask))
     if read_values:
         _check_token_range(input_ids, model.cfg.vocab_size)
     return _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values)
+
+
+def _batched_by_vmap(t):
+    """Whether t is batched by torch.func.vmap, at any level of torch.func's wrappers (inside
+    vmap(grad(f)), grad wraps vmap's batched tensors)."""
+    functorch = torch._C._functorch
+    while isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=True):

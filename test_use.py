@@ -221,6 +221,26 @@ def test_torch_func_vmap_over_the_lm_equals_the_loop_over_its_samples(name):
         assert max_difference(got[0][k], expected[0]) < 1e-12
         assert max_difference([t[k] for c in got[1] for t in c], [t for c in expected[1] for t in c]) < 1e-12
 
+    # per-sample gradients, vmap(grad), where grad wraps vmap's batched ids
+    def loss(params, i, s):
+        return torch.func.functional_call(model, params, (i,), dict(seq_idx=s)).logsumexp(-1).mean()
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, ids, seq_idx)
+    for k in range(3):
+        model.zero_grad()
+        loss(dict(model.named_parameters()), ids[k], seq_idx[k]).backward()
+        assert max_difference([per_sample[n][k] for n in params], [p.grad for p in model.parameters()]) < 1e-12
+
+
+def test_under_torch_func_grad_the_ids_are_still_checked():
+    # only vmap's batched tensors go unread: grad alone reads them as a plain forward does
+    model = MODELS["mamba2"]()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    for bad in (VOCAB, -1):  # VOCAB: a padded slot of the embedding, which a forward would read silently
+        with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {VOCAB}\)"):
+            torch.func.grad(lambda p: torch.func.functional_call(model, p, (torch.tensor([[1, bad]]),)).sum())(params)
+
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_packed_row_continues_from_a_cache_in_pieces(name):
