@@ -35,6 +35,7 @@ one subprocess per case, so it is Linux only.
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -602,9 +603,7 @@ def bench_race(args, device):
     one's best val with its spread over the runs, and the margin between the first two. One after
     the other by default; with --together the models of a run train at the same time, one thread
     each unless --threads says otherwise, so that a busy machine slows them alike."""
-    names = args.racers.split(",")
-    if len(names) < 2 or any(n not in RACERS for n in names):
-        raise SystemExit(f"--racers takes two or more of {', '.join(RACERS)}, got {args.racers!r}")
+    names = args.racers.split(",")  # checked by check_args
     out_root = args.out_dir or os.path.join("out", "race")
     threads = args.threads or (1 if args.together else None)
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
@@ -626,10 +625,18 @@ def bench_race(args, device):
     table("steps in the budget, and ms per step (evaluations included)", ["model", "steps", "ms/step"],
           [[label, " ".join(str(n) for n, _ in runs), " ".join(f"{ms:.0f}" for _, ms in runs)]
            for label, runs in speed.items()])
+    print(f"\nmargin at equal time ({labels[0]}'s mean best val - {labels[1]}'s): {margin:+.4f}; "
+          + race_verdict(margin, spread, args.runs, labels))
+
+
+def race_verdict(margin, spread, runs, labels):
+    """What the margin (first racer's mean best val - second's) says, against the largest spread
+    over the runs: a margin inside the spread is a tie, and one run has no spread to judge by."""
+    if runs < 2:
+        return "no verdict: one run per model has no spread to judge the margin by (--runs 2 or more)"
     verdict = "a tie: the margin is inside the spread" if abs(margin) <= spread else \
         (f"{labels[1]} ahead" if margin > 0 else f"{labels[0]} ahead")
-    print(f"\nmargin at equal time ({labels[0]}'s mean best val - {labels[1]}'s): {margin:+.4f}; largest "
-          f"spread over runs {spread:.4f}: {verdict}")
+    return f"largest spread over runs {spread:.4f}: {verdict}"
 
 
 # The CPU defaults of both models, checked at the 300 s budget by the same small grid around each
@@ -1789,7 +1796,41 @@ def bench_gpu(args):
         sys.exit(1)
 
 
-def main():
+def check_args(p, args, tables):
+    """Refuse a bad argument with one usage line (p.error) before anything runs: a race that
+    would train for minutes and then fail must fail at once."""
+    known = list(tables) + ["gpu"] + (["all"] if args.what == ["all"] else [])  # "all" only alone
+    for what in args.what:
+        if what not in known:
+            p.error(f"unknown table {what!r}, expected one of {sorted(tables)}; or all, or gpu, alone")
+    for name in ("threads", "repeats", "runs", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name} must be at least 1, got {value}")
+    for name in ("max_time", "race_time", "budget"):
+        value = getattr(args, name)
+        if value is not None and not (0 < value < math.inf):
+            p.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}")
+    names = args.racers.split(",")
+    if len(names) < 2 or any(n not in RACERS for n in names) or len(set(names)) < len(names):
+        p.error(f"--racers takes two or more different names of {', '.join(RACERS)}, got {args.racers!r}")
+    if args.archs is not None:
+        unknown = [a for a in args.archs.split(",") if a not in ROOFLINE_ARCHS]
+        if unknown:
+            p.error(f"--archs takes a comma-separated list of {', '.join(ROOFLINE_ARCHS)}, got {args.archs!r}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        p.error(f"--device {args.device} is not a device name; expected cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device {args.device}: the tables run on cpu or cuda")
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    if (device.index or 0) >= count:
+        p.error(f"--device {args.device}: torch finds {count} {device.type} device(s)")
+    return device
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
                                            "train, profile, race, sweep, generate, decode, load, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, roofline, graphs, "
@@ -1830,32 +1871,29 @@ def main():
     g.add_argument("--budget", type=float, default=GPU_BUDGET_S,
                    help="seconds for the whole command, compiling included (default %(default)s)")
     g.add_argument("--gpu-part", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.memory_case:
         return memory_case(json.loads(args.memory_case))
     if args.gpu_part:
         return gpu_table_part(args, args.gpu_part)
-    torch.set_num_threads(args.threads or 1)
-    if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses
-        return bench_gpu(args)
-    if "gpu" in args.what:
-        p.error("gpu runs on its own: python bench.py gpu")
-    device = torch.device(args.device)
     tables = {"scan": bench_scan, "depth": bench_depth, "crossover": bench_crossover,
               "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "sweep": bench_sweep, "generate": bench_generate, "decode": bench_decode,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3, "roofline": bench_roofline, "load": bench_load,
               "graphs": bench_graphs}
+    device = check_args(p, args, tables)
+    torch.set_num_threads(args.threads or 1)
+    if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses
+        return bench_gpu(args)
+    if "gpu" in args.what:
+        p.error("gpu runs on its own: python bench.py gpu")
     whats = args.what or ["scan"]
     if whats == ["all"]:
         whats = [w for w in tables if w not in ("race", "sweep", "load")]  # minutes each: each runs on its own
-    for what in whats:
-        if what not in tables:
-            p.error(f"unknown table {what!r}, expected one of {sorted(tables)}")
     if len(whats) > 1:
         # one fresh process per table: the eager backends' speed depends on the allocator's state
         # (the heap's mapped pages), which an earlier table would otherwise leave behind
-        flags = [a for a in sys.argv[1:] if a not in tables and a != "all"]
+        flags = [a for a in (sys.argv[1:] if argv is None else argv) if a not in tables and a != "all"]
         for what in whats:
             sys.stdout.flush()
             subprocess.run([sys.executable, os.path.abspath(__file__), what] + flags, check=True)

@@ -304,7 +304,7 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     out_dtype = x.dtype
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     b, L, H, P = x.shape
-    G, N, T = B.shape[2], B.shape[3], chunk_size
+    G, N, T = B.shape[2], B.shape[3], min(chunk_size, L)  # a shorter sequence: one chunk, unpadded
     pad = -L % T
     if pad:  # identity steps: Δ = 0 (and x, B, C = 0, so nothing is read or written)
         x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
@@ -427,8 +427,7 @@ class Mamba2Config:
             raise ValueError(f"dt_limit must be (low, high) with 0 <= low <= high, got {self.dt_limit}")
         if not self.norm_epsilon > 0:
             raise ValueError(f"Mamba2Config.norm_epsilon must be positive, got {self.norm_epsilon!r}")
-        if not 0 < self.dt_min <= self.dt_max:
-            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
+        mm._check_dt_init(self)
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, "
                              f"got {self.scan_backend!r}")

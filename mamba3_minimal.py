@@ -316,7 +316,7 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
                          f"{reset.dtype if isinstance(reset, torch.Tensor) else type(reset).__name__}")
     q, k, v, dt, adt, lam, theta = _in_compute_dtype(q, k, v, dt, adt, lam, theta)
     b, L, H, P = v.shape
-    R, N, S, T = q.shape[2], q.shape[-1], theta.shape[-1], chunk_size
+    R, N, S, T = q.shape[2], q.shape[-1], theta.shape[-1], min(chunk_size, L)  # a shorter sequence: one chunk
     pad = -L % T
     n_chunks = (L + pad) // T
     if pad:  # identity steps: Δ = 0 (and Δ·A = 0), nothing read or written
@@ -497,9 +497,8 @@ class Mamba3Config:
         if self.d_state % 2 or self.num_rope_angles < 1:
             raise ValueError(f"d_state must be even and leave at least one rotated pair at rope_fraction "
                              f"{self.rope_fraction}, got d_state = {self.d_state}")
-        if not 0 < self.dt_min <= self.dt_max:
-            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min} and {self.dt_max}")
-        if not self.A_floor > 0:
+        mm._check_dt_init(self)
+        if not mm._is_positive_number(self.A_floor):
             raise ValueError(f"A_floor must be positive (A <= -A_floor keeps every step decaying), got {self.A_floor!r}")
         if self.A_activation not in A_ACTIVATIONS:
             raise ValueError(f"Mamba3Config.A_activation must be one of {A_ACTIVATIONS} (\"heavy_tail\": official "

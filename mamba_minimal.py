@@ -496,7 +496,8 @@ class MambaLM(nn.Module):
 
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
-        cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8)."""
+        cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8).
+        Batched by torch.func.vmap, only their shapes are checked, not their values."""
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
         if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # a piece of a packed row
             # (section 8): column 0 is the cache's last document; a row whose first token starts
@@ -1494,7 +1495,7 @@ def official_lm_fields(d, ours):
 
 
 def _ssm_cfg(d):
-    ssm_cfg = d.get("ssm_cfg") or {}
+    ssm_cfg = {} if d.get("ssm_cfg") is None else d["ssm_cfg"]  # null: the official default
     if not isinstance(ssm_cfg, dict):
         raise ValueError(f"config.json's ssm_cfg must be an object of fields, got a {type(ssm_cfg).__name__}")
     return ssm_cfg
@@ -1765,13 +1766,18 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
     loader would otherwise find a stale model.safetensors before a new pytorch_model.bin."""
     if safe_serialization is None:
         safe_serialization = _safetensors_installed()
+    if safe_serialization:  # before anything in the folder is removed
+        try:
+            from safetensors.torch import save_file
+        except ImportError as err:
+            raise ImportError("safe_serialization=True needs the safetensors package: pip install safetensors "
+                              "(or save_pretrained(folder, safe_serialization=False) for pytorch_model.bin)") from err
     os.makedirs(folder, exist_ok=True)
     for path in _weights_files(folder):
         if os.path.lexists(path):
             os.remove(path)
     state_dict = model.state_dict()
     if safe_serialization:
-        from safetensors.torch import save_file
         if model.cfg.tie_embeddings:
             del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
         _write_atomically(os.path.join(folder, "model.safetensors"),
@@ -2155,8 +2161,7 @@ def _check_config(cfg):
         raise ValueError(f"MambaConfig.norm_epsilon must be a positive number, got {cfg.norm_epsilon!r}")
     if cfg.dt_init not in ("random", "constant"):
         raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {cfg.dt_init!r}")
-    if not 0 < cfg.dt_min <= cfg.dt_max:
-        raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
+    _check_dt_init(cfg)
     _check_hybrid_fields(cfg)
     if not isinstance(cfg.selection_off, bool):
         raise ValueError(f"MambaConfig.selection_off must be True or False, got {cfg.selection_off!r}")
@@ -2185,6 +2190,20 @@ def _is_count(value):
 
 def _is_positive_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def _check_dt_init(cfg):
+    """The numbers of the Δ init (dt_bias_init, and Mamba-1's dt_scale), in every generation's config:
+    a string or null there would fail deep inside the init, a NaN floor would make every Δ NaN."""
+    name = type(cfg).__name__
+    for key in ("dt_min", "dt_max") + (("dt_scale",) if hasattr(cfg, "dt_scale") else ()):
+        if not _is_positive_number(getattr(cfg, key)):
+            raise ValueError(f"{name}.{key} must be a positive number, got {getattr(cfg, key)!r}")
+    floor = cfg.dt_init_floor
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < math.inf:
+        raise ValueError(f"{name}.dt_init_floor must be a number >= 0, got {floor!r}")
+    if not cfg.dt_min <= cfg.dt_max:
+        raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
 
 
 def _check_hybrid_fields(cfg):
@@ -2317,11 +2336,24 @@ def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask)
     """forward's arguments; returns the mixers' keyword arguments (_check_use). Values are read
     where that costs no device sync: CPU ids, or a prefill (want_cache), once per prompt."""
     _check_token_ids(input_ids)
-    # not while torch.compile traces the model: a value read there would cut the graph in two
-    read_values = (want_cache or input_ids.device.type == "cpu") and not torch.compiler.is_compiling()
+    # not while torch.compile traces the model: a value read there would cut the graph in two; nor
+    # where torch.func.vmap batches an argument: a batched tensor has no single value to read
+    read_values = (want_cache or input_ids.device.type == "cpu") and not torch.compiler.is_compiling() \
+        and not any(_batched_by_vmap(t) for t in (input_ids, seq_idx, attention_mask))
     if read_values:
         _check_token_range(input_ids, model.cfg.vocab_size)
     return _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values)
+
+
+def _batched_by_vmap(t):
+    """Whether t is batched by torch.func.vmap, at any level of torch.func's wrappers (inside
+    vmap(grad(f)), grad wraps vmap's batched tensors)."""
+    functorch = torch._C._functorch
+    while isinstance(t, torch.Tensor) and functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
 
 
 def _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values=True):

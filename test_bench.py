@@ -212,3 +212,45 @@ def test_bench_load_measures_both_loads_of_a_bf16_checkpoint(capsys):
     rows = [line for line in out.splitlines() if line.startswith("|") and "---" not in line][1:]
     assert [row.split("|")[1].strip() for row in rows] == ["from_pretrained", "fp32 model, load, cast"], out
     assert all(float(row.split("|")[2]) >= 0 for row in rows), out
+
+
+BAD_ARGS = [  # each refused with one usage line, before anything runs
+    (["race", "--racers", "gpt,gpt"], "--racers"),  # one label for two racers: the summary would lose one
+    (["race", "--racers", "gpt,mamba,gpt"], "--racers"),
+    (["race", "--racers", "gpt,llama"], "--racers"),
+    (["race", "--racers", "gpt"], "--racers"),
+    (["race", "--runs", "0"], "--runs"), (["race", "--runs", "-1"], "--runs"),
+    (["scan", "--repeats", "0"], "--repeats"), (["profile", "--repeats", "-3"], "--repeats"),
+    (["scan", "--threads", "0"], "--threads"), (["scan", "--threads", "-1"], "--threads"),
+    (["gpu", "--tiny", "--steps", "0"], "--steps"),
+    (["race", "--max-time", "0"], "--max-time"), (["race", "--max-time", "-2"], "--max-time"),
+    (["race", "--max-time", "nan"], "--max-time"), (["sweep", "--max-time", "inf"], "--max-time"),
+    (["gpu", "--tiny", "--race-time", "0"], "--race-time"),
+    (["gpu", "--tiny", "--budget", "0"], "--budget"), (["gpu", "--tiny", "--budget", "-5"], "--budget"),
+    (["scan", "--device", "foo"], "--device"), (["scan", "--device", "meta"], "--device"),
+    (["scan", "--device", "cuda:99"], "--device"),
+    (["scann"], "unknown table 'scann'"), (["all", "scan"], "unknown table 'all'"),
+    (["roofline", "--archs", "mamba,mamba4"], "--archs"),
+]
+
+
+@pytest.mark.parametrize("argv,named", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bench_refuses_a_bad_argument_with_one_error_line_before_running(argv, named, monkeypatch, capsys):
+    ran = []
+    for name in ("train_runs", "bench_scan", "bench_profile", "bench_gpu", "bench_roofline", "bench_sweep"):
+        monkeypatch.setattr(bench, name, lambda *a, name=name: ran.append(name))
+    with pytest.raises(SystemExit) as exit:
+        bench.main(argv)
+    assert exit.value.code == 2 and ran == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert ": error: " in err[-1] and named in err[-1], err
+    assert not any("Traceback" in line for line in err)
+
+
+def test_a_race_verdict_needs_a_spread_over_two_runs_or_more():
+    labels = ["GPT (yardstick)", "mamba (default)"]
+    one = bench.race_verdict(0.0860, 0.0, 1, labels)
+    assert "no verdict" in one and "ahead" not in one and "tie" not in one
+    assert bench.race_verdict(0.0860, 0.01, 2, labels).endswith("mamba (default) ahead")
+    assert bench.race_verdict(-0.0860, 0.01, 2, labels).endswith("GPT (yardstick) ahead")
+    assert "a tie" in bench.race_verdict(0.005, 0.01, 3, labels)

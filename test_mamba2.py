@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import mamba2_minimal as m2
 import pscan
@@ -125,6 +127,27 @@ def test_chunked_ssd_matches_the_loop_forward_final_state_and_every_gradient(L, 
     assert_all_close(got[0] + list(got[1]), expected[0] + list(expected[1]),
                      names=["y", "h_last"] + ["grad " + n for n in NAMES])
 
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op returns inside the with block."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.numel = max([self.numel] + [t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)])
+        return out
+
+
+def test_a_sequence_shorter_than_a_chunk_is_one_chunk_of_its_own_length():
+    # the official chunk_size is 256: a prompt of 5 tokens must not be padded to a 256 x 256 chunk
+    x, dt, A, B, C, D, h0 = ssd_inputs(L=5, G=2)
+    with LargestTensor() as largest:
+        got = m2.ssd(x, dt, A, B, C, 512, D, h0, return_last_state=True)
+    assert_all_close(got, reference_ssd(x, dt, A, B, C, D, h0))
+    assert largest.numel < 512 * 512, largest.numel
 
 def check_ssd_on_device(device):
     """Chunked SSD in fp32 on `device` against the float64 loop on the CPU: outputs, final state

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import mamba3_minimal as m3
 import pscan
 from mamba3_minimal import Mamba3Config, Mamba3LM
+from test_mamba2 import LargestTensor
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,6 +192,15 @@ def test_chunked_form_matches_the_float64_loop_outputs_and_final_state(case):
     torch.testing.assert_close(y, y_ref, atol=1e-11, rtol=1e-10)
     assert_states_close(state, state_ref)
 
+
+def test_a_sequence_shorter_than_a_chunk_is_one_chunk_of_its_own_length():
+    # the official chunk_size is 64: a prompt of 5 tokens must not be padded to a 64-token chunk
+    case = (5, 512, 2, 1, 8, 2, 0.5, True, True, "halves")
+    with LargestTensor() as largest:
+        y, state, y_ref, state_ref = run_case(case)
+    torch.testing.assert_close(y, y_ref, atol=1e-11, rtol=1e-10)
+    assert_states_close(state, state_ref)
+    assert largest.numel < 512 * 512, largest.numel
 
 def test_the_core_under_bf16_autocast_keeps_the_state_and_its_sums_in_fp32():
     # the training step on a GPU runs under bf16 autocast: its matmuls must not round the state

@@ -4,7 +4,9 @@ and pretrained.py (generate and score with a tokenizer), for the three generatio
 
 import json
 import os
+import re
 import shutil
+import sys
 from dataclasses import asdict
 
 import pytest
@@ -286,6 +288,18 @@ def test_saved_configs_keep_what_is_not_a_default(tmp_path):
     assert "chunk_size" not in json.loads((tmp_path / "config.json").read_text())
 
 
+def test_asking_for_safetensors_without_the_package_names_it_and_keeps_the_saved_weights(tmp_path, monkeypatch):
+    # and the weights already in the folder are kept: they were removed before the import failed
+    old = tiny(1, seed=0)
+    old.save_pretrained(tmp_path, safe_serialization=False)
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors fails, as when not installed
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match="needs the safetensors package: pip install safetensors .*"
+                                          "safe_serialization=False"):
+        tiny(1, seed=1).save_pretrained(tmp_path, safe_serialization=True)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
+    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), old(ids()))
+
 def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monkeypatch):
     pytest.importorskip("safetensors")
     old, new = tiny(1, seed=0), tiny(1, seed=1)
@@ -336,6 +350,29 @@ def test_booleans_given_as_strings_are_refused(tmp_path, generation, field):
     with pytest.raises(ValueError, match=f"{field} must be True or False, got 'no'"):
         CLASSES[generation].from_pretrained(tmp_path)
 
+
+@pytest.mark.parametrize("generation, field", [(g, f) for g in (1, 2, 3) for f in ("dt_min", "dt_max", "dt_init_floor")]
+                         + [(1, "dt_scale"), (3, "A_floor")])
+@pytest.mark.parametrize("value", [None, "0.01", [0.01], float("nan")])
+def test_init_numbers_that_are_not_numbers_are_refused_by_name(tmp_path, generation, field, value):
+    # they reach the Δ init (dt_bias_init) and Mamba-3's A: a TypeError deep inside, or, for a NaN
+    # floor, a model whose every Δ is NaN
+    tiny(generation).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["ssm_cfg"][field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{field} must be .*, got {re.escape(repr(value))}"):
+        CLASSES[generation].from_pretrained(tmp_path)
+
+
+def test_an_ssm_cfg_that_is_an_empty_list_is_refused_and_null_is_the_default(tmp_path):
+    tiny(1).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["ssm_cfg"] = None  # the official default: Mamba-1 with its defaults
+    assert mm.config_from_dict(config).d_state == mm.MambaConfig.d_state
+    config["ssm_cfg"] = []
+    with pytest.raises(ValueError, match="ssm_cfg must be an object of fields, got a list"):
+        mm.config_from_dict(config)
 
 def test_a_dangling_symlink_and_shards_outside_the_folder_are_named(tmp_path):
     model = tiny(1)

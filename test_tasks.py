@@ -202,6 +202,23 @@ def test_main_writes_its_results(tmp_path, monkeypatch, capsys):
         state_tracking.main(["--models", "mamba4"])
 
 
+
+@pytest.mark.parametrize("task", [induction_heads, mqar, selective_copying, state_tracking])
+@pytest.mark.parametrize("argv,named", [(["--models", ""], "--models"), (["--models", ","], "--models"),
+                                        (["--models", "mamba,mamba2,mamba"], "--models"),
+                                        (["--out-dir", "FILE"], "--out-dir"), (["--out-dir", "FILE/sub"], "--out-dir")])
+def test_a_bad_task_command_line_ends_in_one_error_line_before_training(task, argv, named, tmp_path, monkeypatch,
+                                                                        capsys):
+    # an empty or repeated model list, or an out dir that cannot be made: refused at once, not after
+    # the first model has trained (a repeated model would train twice and overwrite its own runs)
+    (tmp_path / "FILE").write_text("")
+    argv = [a.replace("FILE", str(tmp_path / "FILE")) for a in argv]
+    monkeypatch.setattr(common, "train", lambda *a, **k: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as exit:
+        task.main(argv + ["--steps", "1", "--seeds", "1"])
+    assert exit.value.code == 2
+    assert named in capsys.readouterr().err.strip().splitlines()[-1]
+
 # ------------------------------------------------------------------------------------------------
 # MambaConfig.selection_off: Δ, B and C learned constants, the layer one fixed convolution
 # ------------------------------------------------------------------------------------------------

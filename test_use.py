@@ -202,6 +202,46 @@ def test_no_gradient_crosses_a_document_boundary(name):
     assert grad_embedded[:, :last].abs().max() < 1e-14  # Mamba-3's angles: a cancellation, not a 0
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap loops over addcmul_
+@pytest.mark.parametrize("name", ["mamba1_sequential", "mamba1_fused", "mamba2", "mamba3_siso", "mamba3_mimo"])
+def test_torch_func_vmap_over_the_lm_equals_the_loop_over_its_samples(name):
+    # vmap has no single value to read: forward checks only shapes under a torch.func transform
+    model = MODELS[name]()
+    ids = torch.randint(0, VOCAB, (3, 2, 12))  # 3 samples of a (2, 12) batch
+    seq_idx = torch.stack([torch.tensor([[0] * 5 + [1] * 7, [0] * 12]), torch.tensor([[0] * 12, [2] * 9 + [4] * 3]),
+                           torch.tensor([[0] + [1] * 11, [3] * 12])])  # (3, 2, 12)
+
+    def forward(i, s):
+        logits, cache = model(i, want_cache=True, seq_idx=s)
+        return logits, [list(c) for c in cache]
+
+    got = torch.func.vmap(forward)(ids, seq_idx)
+    for k in range(3):
+        expected = forward(ids[k], seq_idx[k])
+        assert max_difference(got[0][k], expected[0]) < 1e-12
+        assert max_difference([t[k] for c in got[1] for t in c], [t for c in expected[1] for t in c]) < 1e-12
+
+    # per-sample gradients, vmap(grad), where grad wraps vmap's batched ids
+    def loss(params, i, s):
+        return torch.func.functional_call(model, params, (i,), dict(seq_idx=s)).logsumexp(-1).mean()
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, ids, seq_idx)
+    for k in range(3):
+        model.zero_grad()
+        loss(dict(model.named_parameters()), ids[k], seq_idx[k]).backward()
+        assert max_difference([per_sample[n][k] for n in params], [p.grad for p in model.parameters()]) < 1e-12
+
+
+def test_under_torch_func_grad_the_ids_are_still_checked():
+    # only vmap's batched tensors go unread: grad alone reads them as a plain forward does
+    model = MODELS["mamba2"]()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    for bad in (VOCAB, -1):  # VOCAB: a padded slot of the embedding, which a forward would read silently
+        with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {VOCAB}\)"):
+            torch.func.grad(lambda p: torch.func.functional_call(model, p, (torch.tensor([[1, bad]]),)).sum())(params)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_a_packed_row_continues_from_a_cache_in_pieces(name):
     """The first document of a piece continues the cache; the final cache is the last document's

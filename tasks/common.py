@@ -161,8 +161,14 @@ def arguments(description, models, steps, extra=None, argv=None):
     for m in args.models:
         if m not in ARCHS:
             p.error(f"unknown model {m!r}: choose from {', '.join(ARCHS)}")
+    if not args.models or len(set(args.models)) < len(args.models):
+        p.error(f"--models needs one or more different names, got {','.join(args.models)!r}")
     if args.seeds < 1 or args.steps < 1 or args.threads < 1:
         p.error("--seeds, --steps and --threads must be positive")
+    try:  # now, not after the first model has trained for minutes
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as err:
+        p.error(f"--out-dir {args.out_dir}: {err.strerror or err}")
     torch.set_num_threads(args.threads)
     return args
 
