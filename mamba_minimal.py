@@ -779,7 +779,7 @@ def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
 # the tree moves 11 U per scan against the loop's 4. 22 U is about the least that
 # states in memory allow: the forward writes dA and h and reads them back, the backward writes
 # G and reads it, h and dA back. At an H100's 3.35 TB/s, 155 GB take 46 ms; the step's
-# matmuls, 0.6 TFLOP, under 1 ms. The loop's price is kernels: 255 a scan, 3,915 in the step,
+# matmuls, 0.6 TFLOP, under 1 ms. The loop's price is kernels: 255 a scan, 3,897 in the step,
 # which the CPU issues while the GPU works through the large ones (pscan.py, appendix C).
 #
 # The paper's answer (§3.3) is not to keep the states in memory at all: its kernel reads x, Δ,
