@@ -4,7 +4,7 @@ official checkpoints.
 
 Read it top to bottom: sections 1 to 5 are the whole model. By default it runs their selective
 scan and causal conv through section 6's engine, which computes the same numbers (tested to
-rounding) about 1.5 times as fast to train; MambaConfig(scan_backend="reference") runs sections 2 and
+rounding) about 1.4 times as fast to train; MambaConfig(scan_backend="reference") runs sections 2 and
 3's code itself. The two paths sit side by side at their call sites in MambaMixer. Sections 1 to 5
 call nothing defined after them but through that switch, generate's compile option, the loader
 behind from_pretrained and save_pretrained, the hybrid layers and the ablation a config may ask for
