@@ -296,6 +296,43 @@ def test_rotary_turns_the_pairs_of_the_official_convention():
             assert difference(got[row], rotary(x[row], positions[row], dim, 500.0, interleaved)) < 1e-12
 
 
+def test_rotary_turns_a_bf16_input_by_fp32_angles():
+    """bf16 keeps 8 significant bits: a position of 1001 would round to 1000 and its angle be off
+    by a radian. The angles and the turn are computed in fp32, only the result is rounded to bf16."""
+    x = torch.randn(2, 4, 3, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64).bfloat16()
+    positions = torch.tensor([[1001, 2003, 4097, 30001], [3, 517, 1023, 8191]])
+    got = mm.apply_rotary(x, positions, 8, 10000.0, False)
+    assert got.dtype == torch.bfloat16
+    for row in range(2):  # the oracle turns the same bf16 numbers in float64
+        expected = rotary(x[row].double(), positions[row], 8, 10000.0, False)
+        assert difference(got[row].double(), expected) < 2 ** -6 * expected.abs().max().item()
+
+
+def test_the_mlp_width_is_d_intermediate_rounded_up_to_a_multiple_of_128():
+    # the official GatedMLP: (hidden + multiple_of - 1) // multiple_of * multiple_of, multiple_of 128;
+    # a width that already is a multiple stays as it is
+    for d_intermediate, hidden in ((1, 128), (127, 128), (128, 128), (129, 256), (256, 256), (300, 384)):
+        assert mm.gated_mlp_hidden(d_intermediate) == hidden, d_intermediate
+    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4, d_intermediate=256))
+    mlp = model.backbone.layers[0].mlp
+    assert mlp.fc1.weight.shape == (512, 16) and mlp.fc2.weight.shape == (16, 256)
+
+
+def test_layernorm_blocks_use_the_configs_epsilon():
+    # norm_epsilon reaches every LayerNorm, as it reaches RMSNorm: at 0.5 the two differ visibly
+    # from the default 1e-5 on inputs of variance about 0.1
+    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4, rms_norm=False,
+                                      d_intermediate=8, norm_epsilon=0.5)).double()
+    g = torch.Generator().manual_seed(0)
+    x = 0.3 * torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
+    w, b = torch.randn(16, generator=g, dtype=torch.float64), torch.randn(16, generator=g, dtype=torch.float64)
+    for norm in (model.backbone.layers[0].norm, model.backbone.layers[0].norm2, model.backbone.norm_f):
+        with torch.no_grad():
+            norm.weight.copy_(w)
+            norm.bias.copy_(b)
+            assert difference(norm(x), layer_norm(x, w, b, eps=0.5)) < 1e-12
+
+
 def test_a_checkpoint_missing_the_mlp_or_the_attention_bias_is_refused(tmp_path):
     config = official_config("mamba2", "gqa_conv")
     sd, _ = official_state_dict("mamba2", config)

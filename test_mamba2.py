@@ -476,12 +476,25 @@ def test_optim_groups_exempt_A_log_D_dt_bias_norms_and_biases():
     (dict(dt_limit=(0.2, 0.1)), r"dt_limit must be \(low, high\) with 0 <= low <= high"),  # clamped every Δ to 0.1
     (dict(dt_limit=None), "dt_limit must be a pair of numbers"),
     (dict(A_init_range=5), "A_init_range must be a pair of numbers"),
+    (dict(A_init_range=(True, 16)), "A_init_range must be a pair of numbers"),  # a bool is no rate
+    (dict(dt_limit=(0.0, False)), "dt_limit must be a pair of numbers"),
+    # official Mamba2: A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0]
+    (dict(A_init_range=(0, 16)), r"A_init_range must be \(low, high\) with 0 < low <= high"),  # A = 0 never decays
+    (dict(A_init_range=(16, 1)), r"A_init_range must be \(low, high\) with 0 < low <= high"),
     (dict(d_ssm=16.0), "d_ssm = 16.0 must be a multiple of headdim"),
     (dict(norm_epsilon=-1.0), "norm_epsilon must be positive"),  # NaN logits
 ])
 def test_config_rejects_malformed_fields(kw, message):
     with pytest.raises(ValueError, match=message):
         small_config(**kw)
+
+
+def test_a_pair_given_as_a_list_is_kept_as_a_tuple():
+    # config.json holds lists; a config keeps its pairs as tuples whatever it was given, so that
+    # a config read from JSON equals the same config written in code
+    cfg = small_config(dt_limit=[0.0, 1.0], A_init_range=[2, 8])
+    assert cfg.dt_limit == (0.0, 1.0) and cfg.A_init_range == (2, 8)
+    assert cfg == small_config(dt_limit=(0.0, 1.0), A_init_range=(2, 8))
 
 
 def test_config_rejects_inconsistent_sizes():

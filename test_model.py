@@ -312,6 +312,22 @@ def test_a_compiler_that_fails_at_the_evaluation_or_a_later_shape_leaves_the_run
                 model(ids[:2])
 
 
+def test_without_fallback_a_compiler_error_is_raised_and_nothing_turns_eager(monkeypatch):
+    # fallback=False: the caller has a better plan than running eagerly (where the compiled loop
+    # over chunks fails, one compiled call per chunk), so the compiler's error comes out, no warning
+    def broken_compile(fn, **options):
+        def compiled(*args):
+            raise RuntimeError("InductorError: no working C++ compiler found")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    f = mm.CompiledOrEager(lambda x: 2 * x, "double", fallback=False)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="no working C\\+\\+ compiler"):
+        warnings.simplefilter("error")
+        f(torch.ones(2))
+    assert not f.failed
+
+
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap loops over addcmul_
 def test_torch_func_grad_and_vmap_through_the_conv_and_the_fused_scan_match_autograd():
     # torch.func.grad of a whole model through the causal conv's and the fused chunks' hand-written
@@ -949,6 +965,60 @@ def test_step_refuses_a_cache_for_another_batch_size():
     _, cache = model.prefill(torch.tensor([[1, 2, 3]]))
     with pytest.raises(ValueError, match=r"conv_state must have shape \(3, 64, 4\).*batch of 3"):
         model.step(torch.tensor([4, 5, 6]), cache)
+
+
+def carved_from_one_buffer(cache, gap):
+    """Every state of the cache copied into views of one flat buffer, layer 1's before layer 0's;
+    `gap` elements between one view's last element and the next view's first (-1: the views share
+    exactly one element). Returns the new cache."""
+    tensors = [t for pair in cache for t in pair]
+    order = [2, 3, 0, 1]  # layer 1's conv_state and ssm_state first: the check must look both ways
+    sizes = [tensors[i].numel() for i in order]
+    buffer = torch.zeros(sum(sizes) + gap * (len(sizes) - 1) + 1)
+    views, start = {}, 0
+    for i, size in zip(order, sizes):
+        views[i] = buffer[start:start + size].view(tensors[i].shape).copy_(tensors[i])
+        start += size + gap
+    return [(views[0], views[1]), (views[2], views[3])]
+
+
+def test_step_takes_states_carved_side_by_side_from_one_buffer():
+    # a server may keep every layer's states in one allocation: views that touch but do not
+    # overlap are separate memory, and step must accept them and compute what it computes on clones
+    model = tiny_model().eval()
+    ids = torch.randint(0, 21, (2, 6), generator=torch.Generator().manual_seed(0))
+    _, cache = model.prefill(ids)
+    carved = carved_from_one_buffer(cache, gap=0)
+    expected = model.step(ids[:, -1], cache)
+    torch.testing.assert_close(model.step(ids[:, -1], carved), expected, rtol=0, atol=0)
+    for (conv, ssm), (conv_carved, ssm_carved) in zip(cache, carved):
+        assert torch.equal(conv, conv_carved) and torch.equal(ssm, ssm_carved)
+
+
+def test_step_refuses_states_that_share_a_single_element():
+    # the smallest overlap: the last element of one view is the first of the next
+    model = tiny_model().eval()
+    ids = torch.randint(0, 21, (2, 6), generator=torch.Generator().manual_seed(0))
+    _, cache = model.prefill(ids)
+    carved = carved_from_one_buffer(cache, gap=-1)
+    with pytest.raises(ValueError, match=r"cache\[0\] ssm_state shares its memory with cache\[0\] conv_state"):
+        model.step(ids[:, -1], carved)
+
+
+def test_forward_reads_an_expanded_cache_a_prompt_shared_by_a_batch():
+    # forward(cache=) reads the cache and never writes it, so a prompt's cache expand()ed over a
+    # batch (one copy in memory) is a valid start for several continuations; only step, which
+    # writes in place, needs memory of its own per row
+    model = tiny_model().double().eval()
+    g = torch.Generator().manual_seed(3)
+    prompt, continuations = torch.randint(0, 21, (1, 5), generator=g), torch.randint(0, 21, (3, 4), generator=g)
+    with torch.no_grad():
+        _, cache = model.prefill(prompt)
+        shared = [tuple(t.expand(3, *t.shape[1:]) for t in pair) for pair in cache]
+        got = model(continuations, cache=shared)
+        for row in range(3):  # the oracle: the prompt and one continuation in one pass
+            whole = model(torch.cat([prompt, continuations[row:row + 1]], dim=1))
+            torch.testing.assert_close(got[row], whole[0, 5:], rtol=0, atol=1e-12)
 
 
 def test_from_pretrained_in_bf16_keeps_A_log_and_D_fp32_and_adds_the_dt_bias_in_fp32(tmp_path):

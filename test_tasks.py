@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import pscan
 from mamba3_minimal import Mamba3Config, Mamba3LM
-from mamba_minimal import MambaConfig, MambaLM
+from mamba_minimal import MambaConfig, MambaLM, SelectionOffMixer
 from tasks import common, induction_heads, mqar, selective_copying, state_tracking
 
 N = common.IGNORE  # a position that asks for nothing
@@ -112,6 +112,32 @@ def test_mqar_batches_have_distinct_keys_and_consistent_answers():
     assert len(set(x[0, 2 * pairs:].tolist())) == q  # each key asked once
     with pytest.raises(ValueError, match="pairs"):
         mqar.mqar_batch(2, q - 1, g)
+
+
+def test_arithmetic_batches_draw_every_number_and_every_operation():
+    g = torch.Generator().manual_seed(0)
+    x, _ = state_tracking.arithmetic_batch(64, 6, g)
+    numbers, ops = x[:, 1::2], x[:, 2::2]
+    assert set(numbers.unique().tolist()) == set(range(state_tracking.MODULUS))
+    assert set(ops.unique().tolist()) == {state_tracking.ADD, state_tracking.SUB, state_tracking.MUL}
+
+
+def test_parity_batches_can_ask_for_the_last_bit_only():
+    # the length-generalization score reads one answer per string, the parity of all its bits
+    g = torch.Generator().manual_seed(0)
+    x, y = state_tracking.parity_batch(64, 20, g, last_only=True)
+    assert (y[:, :-1] == N).all() and torch.equal(y[:, -1], x[:, 1:].sum(1) % 2)
+
+
+def test_mqar_asks_its_keys_in_random_order():
+    # queries in the order the pairs appeared would be an easier task (a queue, not a lookup)
+    g = torch.Generator().manual_seed(0)
+    pairs = 20
+    x, _ = mqar.mqar_batch(64, pairs, g)
+    keys = x[:, 0:2 * pairs:2]  # (64, pairs)
+    where = (x[:, 2 * pairs:, None] == keys[:, None, :]).int().argmax(-1)  # (64, queries): each query's pair
+    in_order = (where.diff(dim=1) > 0).all(dim=1)  # (64,)
+    assert in_order.sum() < 4  # by chance 1/8! of rows, about 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,6 +245,37 @@ def test_a_bad_task_command_line_ends_in_one_error_line_before_training(task, ar
     assert exit.value.code == 2
     assert named in capsys.readouterr().err.strip().splitlines()[-1]
 
+
+def test_learning_rate_warms_up_then_follows_a_cosine_to_a_tenth():
+    # hand-computed: lr 1, 100 warmup steps of 1000
+    assert common.lr_at(0, 1000, 1.0, 100) == pytest.approx(0.01)
+    assert common.lr_at(49, 1000, 1.0, 100) == pytest.approx(0.5)
+    assert common.lr_at(99, 1000, 1.0, 100) == pytest.approx(1.0)
+    assert common.lr_at(100, 1000, 1.0, 100) == pytest.approx(1.0)  # the cosine's top
+    assert common.lr_at(550, 1000, 1.0, 100) == pytest.approx(0.55)  # halfway: (1 + 0.1) / 2
+    assert common.lr_at(1000, 1000, 2.0, 100) == pytest.approx(0.2)  # the bottom: a tenth of lr
+
+
+def test_logits_of_drops_the_padded_vocabulary():
+    # the Mamba models pad 10 tokens to 16 logits; an answer must be one of the 10
+    model = common.build("mamba", 10, **TINY)
+    x = torch.randint(0, 10, (2, 5))
+    got = common.logits_of(model, x, 10)
+    assert got.shape == (2, 5, 10) and got.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x)[..., :10].float())
+
+
+def test_each_architecture_name_builds_its_model():
+    for arch, selection_off in (("mamba", False), ("mamba-lti", True)):
+        model = common.build(arch, 5, **TINY)
+        assert isinstance(model, MambaLM) and model.cfg.selection_off is selection_off
+        assert isinstance(model.backbone.layers[0].mixer, SelectionOffMixer) is selection_off
+    for arch, rotations_off in (("mamba3", False), ("mamba3-real", True)):
+        model = common.build(arch, 5, **TINY)
+        assert isinstance(model, Mamba3LM) and model.cfg.rotations_off is rotations_off
+
+
 # ------------------------------------------------------------------------------------------------
 # MambaConfig.selection_off: Δ, B and C learned constants, the layer one fixed convolution
 # ------------------------------------------------------------------------------------------------
@@ -292,6 +349,20 @@ def test_a_checkpoint_without_selection_off_loads_strictly_and_the_two_do_not_mi
 def test_selection_off_must_be_a_bool():
     with pytest.raises(ValueError, match="selection_off"):
         MambaConfig(selection_off="yes")
+
+
+def test_selection_off_starts_as_s4d_and_trains_every_constant():
+    # S4D's init (arXiv 2206.11893, section 3): B = 1 and a random normal C; and Δ, B and C are
+    # parameters like any other, so a loss reaches each of them
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=8, n_layer=1, vocab_size=5, d_state=64, selection_off=True))
+    mixer = model.backbone.layers[0].mixer
+    assert torch.equal(mixer.B, torch.ones(64))
+    assert 0.7 < mixer.C.std().item() < 1.3 and abs(mixer.C.mean().item()) < 0.4  # N(0, 1), 64 draws
+    F.cross_entropy(model(torch.randint(0, 5, (2, 9))).flatten(0, 1), torch.randint(0, 5, (18,))).backward()
+    for name in ("dt_bias", "B", "C", "A_log", "D"):
+        grad = getattr(mixer, name).grad
+        assert grad is not None and grad.abs().max() > 0, name
 
 
 # ------------------------------------------------------------------------------------------------
