@@ -78,7 +78,7 @@ def text_file(tmp_path):
 def test_bench_gpu_tiny_keeps_the_order_and_the_budget(text_file):
     # a budget too short for everything: what fits runs in the order of the CUDA run, the rest is
     # killed or skipped, and the command ends within its budget, compiling included
-    budget = 45
+    budget = 25
     out, status, seconds = bench_gpu_tiny(text_file, budget, 2)
     assert seconds < budget + 15, out
     seen = [out.find(part) for part in PARTS]
