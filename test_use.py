@@ -215,11 +215,12 @@ def test_torch_func_vmap_over_the_lm_equals_the_loop_over_its_samples(name):
         logits, cache = model(i, want_cache=True, seq_idx=s)
         return logits, [list(c) for c in cache]
 
-    got = torch.func.vmap(forward)(ids, seq_idx)
-    for k in range(3):
-        expected = forward(ids[k], seq_idx[k])
-        assert max_difference(got[0][k], expected[0]) < 1e-12
-        assert max_difference([t[k] for c in got[1] for t in c], [t for c in expected[1] for t in c]) < 1e-12
+    for in_ids in (0, None):  # each sample its own ids, or one batch of ids packed three ways
+        got = torch.func.vmap(forward, in_dims=(in_ids, 0))(ids if in_ids == 0 else ids[0], seq_idx)
+        for k in range(3):
+            expected = forward(ids[k if in_ids == 0 else 0], seq_idx[k])
+            assert max_difference(got[0][k], expected[0]) < 1e-12
+            assert max_difference([t[k] for c in got[1] for t in c], [t for c in expected[1] for t in c]) < 1e-12
 
     # per-sample gradients, vmap(grad), where grad wraps vmap's batched ids
     def loss(params, i, s):
