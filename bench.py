@@ -794,10 +794,10 @@ def bench_load(args, device):
 # ------------------------------------------------------------------------------------------------
 # Decoding at the official sizes: prefill and decode tokens/s beside transformers
 # ------------------------------------------------------------------------------------------------
-# The shapes of the official checkpoints, random weights in their layout. mamba3-siso-187m's shape is
-# read off the public checkpoint (state-spaces/mamba3-siso-187m: 12 layers, 147 tensors, 186,849,600
-# parameters with the Llama 3 vocabulary of 128,256 tied): d_model 768, d_state 128, headdim 64 and a
-# gated MLP of 1536 after each mixer (d_intermediate) are the one shape that gives those counts.
+# The shapes of the official checkpoints, random weights in their layout. mamba3-siso-187m's is a
+# choice, not its config.json: d_model 768, 12 layers, d_state 128, headdim 64 and a gated MLP of 1536
+# after each mixer (d_intermediate), with the Llama 3 vocabulary of 128,256 tied, make 186,849,600
+# parameters in 147 tensors, the size the checkpoint's name says.
 DECODE_SHAPES = {
     "mamba-130m": (1, dict(d_model=768, n_layer=24, vocab_size=50277, d_state=16)),
     "mamba2-130m": (2, dict(d_model=768, n_layer=24, vocab_size=50277, d_state=128, headdim=64, ngroups=1,
