@@ -226,6 +226,16 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, args, name, title):
+    """Titles fig with the task, the run's settings and the machine, and writes out_dir/name.png."""
+    fig.suptitle(f"{title}, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds "
+                 f"(python -m tasks.{name})\n{machine()}", fontsize=8)
+    fig.tight_layout()
+    path = f"{args.out_dir}/{name}.png"
+    fig.savefig(path, dpi=90)
+    print(f"wrote {path}")
+
+
 def timed(fn, *args, **kwargs):
     """fn's result and the seconds it took."""
     start = time.perf_counter()

@@ -130,12 +130,7 @@ def figure(record, args):
     ax.set_ylabel("last-position accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.suptitle(f"Induction heads, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds "
-                 f"(python -m tasks.induction_heads)\n{common.machine()}", fontsize=8)
-    fig.tight_layout()
-    path = f"{args.out_dir}/induction_heads.png"
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    common.save_figure(fig, args, "induction_heads", "Induction heads")
 
 
 if __name__ == "__main__":

@@ -122,12 +122,7 @@ def figure(record, args):
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("query accuracy")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"MQAR, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds (python -m tasks.mqar)\n"
-                 f"{common.machine()}", fontsize=8)
-    fig.tight_layout()
-    path = f"{args.out_dir}/mqar.png"
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    common.save_figure(fig, args, "mqar", "MQAR")
 
 
 if __name__ == "__main__":

@@ -127,12 +127,7 @@ def figure(record, args):
     ax_acc.set_ylabel("copy accuracy, mean over seeds")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"Selective copying, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds "
-                 f"(python -m tasks.selective_copying)\n{common.machine()}", fontsize=8)
-    fig.tight_layout()
-    path = f"{args.out_dir}/selective_copying.png"
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    common.save_figure(fig, args, "selective_copying", "Selective copying")
 
 
 if __name__ == "__main__":

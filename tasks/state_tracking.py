@@ -191,12 +191,7 @@ def figure(args):
         ax.set_title(task)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"State tracking, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds "
-                 f"(python -m tasks.state_tracking)\n{common.machine()}", fontsize=8)
-    fig.tight_layout()
-    path = f"{args.out_dir}/state_tracking.png"
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    common.save_figure(fig, args, "state_tracking", "State tracking")
 
 
 if __name__ == "__main__":
