@@ -505,7 +505,6 @@ class Mamba2Mixer(nn.Module):
     # block has too)
     causal_conv = mm.MambaMixer.causal_conv
     conv_step = mm.MambaMixer.conv_step
-    conv_state_after = mm.MambaMixer.conv_state_after
 
     @torch.no_grad()
     def reset_ssm_parameters(self):
@@ -582,7 +581,7 @@ class Mamba2Mixer(nn.Module):
         out = self._finish(y.flatten(-2), z, z0, x0)  # (b, L, d_model)
         if not want_cache:
             return out
-        conv_after = self.conv_state_after(xBC_in, conv_state, seq_idx)  # (b, conv_dim, d_conv)
+        conv_after = mm.conv_buffer_after(xBC_in, cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)
         return out, (conv_after, h_last)  # (b, conv_dim, d_conv), (b, H, P, N)
 
     def cache_spec(self, batch):

@@ -2,24 +2,22 @@
 mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
 official checkpoints.
 
-Read it top to bottom: sections 1 to 5 are the whole model. By default it runs their selective
-scan and causal conv through section 6's engine, which computes the same numbers (tested to
-rounding) about 1.4 times as fast to train; MambaConfig(scan_backend="reference") runs sections 2 and
-3's code itself. The two paths sit side by side at their call sites in MambaMixer. Sections 1 to 5
-call nothing defined after them but through that switch, generate's compile option, the loader
-behind from_pretrained and save_pretrained, the hybrid layers and the ablation a config may ask for
-(sections 9 and 10), and the input checks of the appendix.
+Read it top to bottom: sections 1 to 5 are the whole model. By default their scan and conv run
+through section 6's engine (the same numbers to rounding, about 1.4 times as fast to train);
+MambaConfig(scan_backend="reference") runs sections 2 and 3's code itself: the two paths sit side
+by side in MambaMixer. Sections 1 to 5 reach later code only through options (that switch,
+compiling, loading, packed sequences, hybrid layers, the ablation) and the appendix's input checks.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
     3. The block                        MambaConfig, RMSNorm, the causal conv, the mixer (Mamba.forward, mamba_inner_ref)
     4. The language model               residual blocks, the LM, its init, weight decay (MambaLMHeadModel)
     5. Recurrent inference (in MambaLM) prefill, an O(1) step per token, sampling, generate (Mamba.step)
-    6. Making it fast                   one backward for the whole scan, the fused path, torch.compile; selective_scan(), decode_step()
-    7. Loading checkpoints              from_pretrained(), save_pretrained(): the official and the transformers layouts
-    8. Using a model for real           caches, packed sequences, padding: what forward's options do
-    9. Hybrid models                    attention layers (rotary, GQA, a KV cache), MLPs, LayerNorm (MHA, GatedMLP)
-   10. Selection switched off          the time-invariant layer that selection replaced: an ablation
+    6. Making it fast                   hand-written backwards, the fused path, torch.compile
+    7. Loading checkpoints              official and transformers layouts, hub ids, shards
+    8. Using a model for real           caches, packed sequences, padding
+    9. Hybrid models                    attention layers and MLPs (MHA, GatedMLP)
+   10. Selection switched off          the time-invariant ablation
    11. Appendix: input checks
 
 Glossary. One name, one meaning; shape comments use these letters.
@@ -225,7 +223,8 @@ def dt_bias_init(n, cfg):
 
 def shifted_sum(x_pad, w, bias=None, keep=None):
     """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, ED) is
-    the d_conv-1 inputs before the first token, then the tokens; w (ED, d_conv); keep: conv_keep's.
+    the d_conv-1 inputs before the first token, then the tokens; w (ED, d_conv); keep: conv_keep's
+    (section 8).
     -> (b, L, ED). On a CPU far cheaper than nn.Conv1d's backward."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
@@ -237,18 +236,6 @@ def shifted_sum(x_pad, w, bias=None, keep=None):
     for k in range(1, width):
         out = torch.addcmul(out, tap(k), w[:, k])  # (b, L, ED)
     return out
-
-
-# The conv's taps look d_conv-1 tokens back, so two options of forward (section 8) reach it: with
-# packed documents (seq_idx) a tap must not read the document before, and a cache's conv buffer
-# holds the inputs before the first new token.
-
-def conv_keep(seq_idx, width, dtype):
-    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an
-    input of another sequence (the inputs before the first token count as the first sequence's)."""
-    L = seq_idx.shape[1]
-    seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, width-1+L)
-    return torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(dtype)
 
 
 def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
@@ -337,7 +324,7 @@ class MambaMixer(nn.Module):
             x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
         else:  # the buffer's last d_conv-1 inputs: the conv needs no more before the first new token
             x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
-        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # (b, L, d_conv)
+        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # (b, L, d_conv), section 8
         w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
         if self.cfg.scan_backend == "reference":  # shifted_sum as written, differentiated by autograd
             return shifted_sum(x_pad, w, self.conv1d.bias, keep)
@@ -350,10 +337,6 @@ class MambaMixer(nn.Module):
         conv_state[:, :, -1] = x
         out = (conv_state * self.conv1d.weight[:, 0, :]).sum(-1)  # (b, ED)
         return out if self.conv1d.bias is None else out + self.conv1d.bias
-
-    def conv_state_after(self, x_in, conv_state=None, seq_idx=None):
-        """conv_step's buffer after x_in (b, L, ED): its last d_conv inputs, (b, ED, d_conv)."""
-        return conv_buffer_after(x_in, self.cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)
 
     def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's cache
@@ -378,7 +361,8 @@ class MambaMixer(nn.Module):
         out = self.out_proj(y)  # (b, L, d_model)
         if not want_cache:
             return out
-        return out, (self.conv_state_after(x_in, conv_state, seq_idx), h_last)  # (b, ED, d_conv), (b, ED, N)
+        conv_after = conv_buffer_after(x_in, cfg.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx)
+        return out, (conv_after, h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
         """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
@@ -500,11 +484,7 @@ class MambaLM(nn.Module):
         Batched by torch.func.vmap, only their shapes are checked, not their values."""
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
         if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # a piece of a packed row
-            # (section 8): column 0 is the cache's last document; a row whose first token starts
-            # another one starts from nothing
-            new_document, use["seq_idx"] = use["seq_idx"][:, 1] != use["seq_idx"][:, 0], use["seq_idx"][:, 1:]
-            cache = [type(c)(t.masked_fill(new_document.view(-1, *(1,) * (t.dim() - 1)), 0) for t in c)
-                     for c in cache]
+            use["seq_idx"], cache = piece_of_packed_row(use["seq_idx"], cache)  # section 8
         hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)
         new_cache = []
         for i, layer in enumerate(self.backbone.layers):
@@ -1826,8 +1806,25 @@ def _write_atomically(path, write):
 #                   so dA = 1 and dBx = 0) and zeros for the conv, so each row computes what it
 #                   computes alone (the logits at padded positions mean nothing)
 #
-# The conv needs the most care: its taps look d_conv-1 tokens back, into the cache's buffer or
-# into the previous packed sequence (conv_keep and conv_buffer_after, section 3).
+# The conv needs the most care: its taps look d_conv-1 tokens back, into the cache's buffer
+# (conv_buffer_after, section 3) or into the previous packed sequence (conv_keep below).
+
+def conv_keep(seq_idx, width, dtype):
+    """seq_idx (b, L) -> keep (b, L, width) of `dtype` for shifted_sum: 0 where tap k would read an
+    input of another sequence (the inputs before the first token count as the first sequence's)."""
+    L = seq_idx.shape[1]
+    seq_pad = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=1)  # (b, width-1+L)
+    return torch.stack([seq_pad[:, k:k + L] == seq_idx for k in range(width)], dim=-1).to(dtype)
+
+
+def piece_of_packed_row(seq_idx, cache):
+    """A piece of a packed row: seq_idx (b, L + 1), whose column 0 is the document of the cache's
+    last token -> the piece's seq_idx (b, L) and the cache to continue, emptied (zeros) in the rows
+    whose first token starts another document."""
+    new_document = seq_idx[:, 1] != seq_idx[:, 0]  # (b,)
+    cache = [type(c)(t.masked_fill(new_document.view(-1, *(1,) * (t.dim() - 1)), 0) for t in c) for c in cache]
+    return seq_idx[:, 1:], cache
+
 
 def seq_idx_from_cu_seqlens(cu_seqlens):
     """The official varlen boundaries -> seq_idx: cu_seqlens (n+1,) = (0, end of sequence 0, ...,

@@ -8,13 +8,11 @@ SSM, h'(t) = A·h(t) + B·x(t), with x the layer's input, is sampled with a step
 from the token: Ā_t = exp(Δ_t·A) and B̄_t ≈ Δ_t·B_t (to first order, as the official code does;
 mamba_minimal.py §1 derives both). So a_t = Ā_t is a decay in (0, 1) (exactly 1 for a padding
 step, Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.
-The lesson: 1. the loop (scan_sequential), 2. the convolution view (why S4 needed no scan), 3. the
-combine rule, 4. work and depth, 5. Blelloch's work-efficient scan (pscan), 6. the Hillis-Steele
-scan, 7. the two-level scan, 8. the backward pass, 9. one entry point, scan(). Sections 6 and 7
-are the other classic tree and a chunked variant: a first reading can skip them. An appendix holds
-the engine: A. double backward, jvp, vmap; B. torch's associative_scan; C. how "auto" chooses;
-D. counting combines; E. checking the inputs and old names; F. segment sums, the decays of the
-matrix (attention) form that Mamba-2 and Mamba-3 use.
+Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the combine rule, 4 work
+and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan (a
+first reading can skip both), 8 the backward, 9 scan(), the entry point. The appendix is the
+engine: A second derivatives, jvp, vmap; B torch's associative_scan; C how "auto" chooses; D
+counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
@@ -157,13 +155,12 @@ def _combine(first, then):
 #   down 0           └──────┐      └──────┐      └──────┐
 #                          0:3           0:5           0:7
 #
-# Every element t ends holding 0:t+1, its inclusive prefix. (Precisely: Blelloch's 1990 up-sweep
-# and down-sweep compute the exclusive scan, the "prescan", each element ending with 0:t: after the
-# same up-sweep it clears the last element, then at each level hands every left element its
-# parent's prefix and every right element that prefix combined with the old left value. The
-# inclusive down-sweep drawn above, which updates only left elements, is Brent & Kung's 1982 tree,
-# hence the function's name: the same up-sweep, one level fewer down.) Depth: log2(L) levels up
-# and log2(L) - 1 down.
+# Every element t ends holding 0:t+1, its inclusive prefix. (Precisely: Blelloch's 1990 down-sweep
+# computes the exclusive scan, the "prescan", each element ending with 0:t: it clears the last
+# element, then at each level hands every left element its parent's prefix and every right one
+# that prefix combined with the old left value. The inclusive down-sweep drawn above, updating
+# only left elements, is Brent & Kung's 1982 tree, hence the function's name.) Depth: log2(L)
+# levels up and log2(L) - 1 down.
 # Work: about 2L combines (2L - 2 - log2(L) for a power of two), more than the loop's L: the
 # price of the short depth.
 #
@@ -245,6 +242,13 @@ def _hillis_steele(x, w, reverse=False):
     return x
 
 
+def scan_hillis_steele(a, b, h0=None):
+    """Hillis-Steele scan (log2(L) levels, ~L·log2(L) combines), with section 8's backward (_run).
+    Same contract as scan_sequential."""
+    dtype = _check_inputs(a, b, h0)
+    return _run(_hillis_steele, a, b, h0, dtype).to(a.dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # 7. The two-level scan
 # ------------------------------------------------------------------------------------------------
@@ -294,6 +298,14 @@ def _two_level(x, w, reverse=False, chunk_size=64):
         into = torch.stack(carried[:-1], dim=1).unsqueeze(2)  # (batch, K-1, 1, *rest)
         xs[:, 1:].addcmul_(prod[:, 1:], into)
     return x[:, :n]
+
+
+def scan_two_level(a, b, h0=None, chunk_size=64):
+    """The tree inside chunks of `chunk_size` steps, a loop across them, with section 8's backward
+    (_run). Same contract as scan_sequential."""
+    dtype = _check_inputs(a, b, h0)
+    _check_chunk_size(chunk_size)
+    return _run(_two_level, a, b, h0, dtype, (chunk_size,)).to(a.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,20 +379,6 @@ def pscan(a, b, h0=None):
     tree), with the reverse-scan backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
     return _run(_brent_kung_, a, b, h0, dtype).to(a.dtype)
-
-
-def scan_hillis_steele(a, b, h0=None):
-    """Hillis-Steele scan (log2(L) levels, ~L·log2(L) combines). Same contract as scan_sequential."""
-    dtype = _check_inputs(a, b, h0)
-    return _run(_hillis_steele, a, b, h0, dtype).to(a.dtype)
-
-
-def scan_two_level(a, b, h0=None, chunk_size=64):
-    """The tree inside chunks of `chunk_size` steps, a loop across them (section 7).
-    Same contract as scan_sequential."""
-    dtype = _check_inputs(a, b, h0)
-    _check_chunk_size(chunk_size)
-    return _run(_two_level, a, b, h0, dtype, (chunk_size,)).to(a.dtype)
 
 
 # ------------------------------------------------------------------------------------------------

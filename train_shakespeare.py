@@ -316,8 +316,6 @@ class Run:
         elapsed_before = p.elapsed
         if args.compile or args.compile_model:
             compile_now(self)  # or, where no compiler works, go on eagerly
-        if p.stopped_early:
-            log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
         while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
                                        else p.elapsed < args.max_time):
             lr = lr_at(args, p.step, p.elapsed)
@@ -1005,6 +1003,8 @@ def resume(run, ckpt):
     if RANK == 0:
         truncate_log(run.log_path, run.p.step)
     log(f"resumed from {run.last_path} at step {run.p.step} (best val {run.p.best_val:.4f})")
+    if run.p.stopped_early:
+        log(f"the run stopped early at step {run.p.step}: nothing left to train (another --out-dir starts a new run)")
     if not os.path.exists(run.best_path):  # deleted by hand: the next evaluation writes a new one
         log(f"note: {run.best_path} is missing; the run goes on with its best val reset to infinity, "
             f"so that its next evaluation writes a new best.pt")
