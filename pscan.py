@@ -129,8 +129,13 @@ def _combine(first, then):
 # 4. Work and depth
 # ------------------------------------------------------------------------------------------------
 # Work: how many combines in all. Depth: how many levels run one after another, a level being
-# one vectorized op over all its combines. The loop has work L and depth L. The figures below
-# are counted by count_combines (appendix D), one combine per update of a b-part.
+# one vectorized op over all its combines. Counted by count_combines (appendix D), one combine
+# per update of a b-part:
+#
+#   scan                    work           depth        counted at L = 1024 (`python bench.py depth`)
+#   loop (section 1)        L              L            1024 combines in 1024 levels
+#   pscan (section 5)       O(L)           O(log L)     2036 combines in 19 levels: up, then down
+#   Hillis-Steele (sec. 6)  O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,12 +225,7 @@ def _brent_kung_(x, w, reverse=False):
 #
 # (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6).
 #
-#   scan                work           depth        counted at L = 1024 (`python bench.py depth`)
-#   Hillis-Steele       O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
-#   pscan (section 5)   O(L)           O(log L)     2036 combines in 19 levels: up, then down
-#   loop                L              L            1024 combines in 1024 levels
-#
-# Half the tree's levels, for log2(L)/2 times its work.
+# Half the tree's levels, for log2(L)/2 times its work (section 4's table).
 
 def _hillis_steele(x, w, reverse=False):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -345,8 +345,8 @@ def _backward(ctx, a, h, h0, grad_h):
 class _ScanFunction(torch.autograd.Function):
     """A scan with the backward above: scan(x, w, reverse, *extra) is one of the scans above, extra
     a tuple of its further arguments. h comes back in the accumulation dtype. Static methods, the
-    scan an argument: the form that torch.compile traces. Appendix A adds second derivatives and
-    forward mode."""
+    scan an argument: the form that torch.compile traces. Appendix A: second derivatives (the
+    backward's create_graph branch) and forward mode."""
 
     @staticmethod
     def forward(a, b, h0, dtype, scan, extra):
@@ -363,13 +363,15 @@ class _ScanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         a, h, h0 = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a second derivative follows (appendix A)
+            return (*_backward_recorded(ctx, a, h, h0, grad_h), None, None, None)
         return (*_backward(ctx, a, h, h0, grad_h), None, None, None)
 
 
 def _run(scan, a, b, h0, dtype, extra=()):
     """h from the Function above with the given scan. Eager code runs appendix A's subclass of it,
-    _ScanWithJvp: the same forward, and a plain backward that calls _backward above (a breakpoint
-    there stops). Code being compiled runs _ScanFunction itself, which torch.compile can trace."""
+    _ScanWithJvp: the same forward and backward, plus forward mode (jvp), which torch.compile cannot
+    trace; code being compiled runs _ScanFunction itself."""
     function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
     return function.apply(a, b, h0, dtype, scan, extra)
 
@@ -414,7 +416,8 @@ def scan(a, b, h0=None, backend="auto"):
 # 8's formulas are built from a, h and grad only, so when autograd records (create_graph=True)
 # the backward runs them through differentiable ops: the reverse scan as a forward scan of the
 # time-reversed sequence through this same autograd Function, and h as the Function's saved
-# output, whose own gradient comes back to it. A plain backward keeps the lean in-place one.
+# output, whose own gradient comes back to it (section 8's backward branches here when grad mode
+# is on). A plain backward keeps the lean in-place one.
 # That is why _ScanFunction returns h in the accumulation dtype and the public functions cast it
 # outside: h stays an output that autograd can differentiate again.
 #
@@ -424,7 +427,7 @@ def scan(a, b, h0=None, backend="auto"):
 # of its own: generate_vmap_rule lets torch run forward and backward on batched tensors.
 #
 # torch.compile (torch 2.13) refuses to trace an autograd Function that defines a jvp: the scan
-# would be cut out of the compiled graph and run eagerly between two graphs. So these live in a
+# would be cut out of the compiled graph and run eagerly between two graphs. So the jvp lives in a
 # subclass, _ScanWithJvp, which eager code runs, while code being compiled keeps section 8's
 # _ScanFunction: section 8's _run chooses. (Neither forward mode nor a second derivative goes through
 # compiled code in torch anyway.)
@@ -446,7 +449,7 @@ def _backward_recorded(ctx, a, h, h0, grad_h):
 
 
 class _ScanWithJvp(_ScanFunction):
-    """Section 8's Function with a backward of any order, forward mode and vmap."""
+    """Section 8's Function with forward mode and vmap."""
     generate_vmap_rule = True
 
     @staticmethod
@@ -454,15 +457,6 @@ class _ScanWithJvp(_ScanFunction):
         _ScanFunction.setup_context(ctx, inputs, output)
         a, _, h0, *_ = inputs
         ctx.save_for_forward(a, output, h0)  # what jvp reads as ctx.saved_tensors
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        a, h, h0 = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: a second derivative follows
-            grads = _backward_recorded(ctx, a, h, h0, grad_h)
-        else:
-            grads = _backward(ctx, a, h, h0, grad_h)
-        return (*grads, None, None, None)
 
     @staticmethod
     def jvp(ctx, tan_a, tan_b, tan_h0, *_):
