@@ -3,7 +3,7 @@ mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, comp
 official checkpoints.
 
 Read it top to bottom: sections 1 to 5 are the whole model. By default their scan and conv run
-through section 6's engine (the same numbers to rounding, about 1.4 times as fast to train);
+through section 6's engine (the same numbers to rounding, 1.2-1.5 times as fast to train);
 MambaConfig(scan_backend="reference") runs sections 2 and 3's code itself: the two paths sit side
 by side in MambaMixer. Sections 1 to 5 reach later code only through options (that switch,
 compiling, loading, packed sequences, hybrid layers, the ablation) and the appendix's input checks.
@@ -36,8 +36,6 @@ Glossary. One name, one meaning; shape comments use these letters.
     z        the gate's input, y is multiplied by SiLU(z)                       (b, L, ED)
     h        the state                                  (b, L, ED, N), or (b, ED, N) for one step
     dA, dBx  the discretized step, exp(Δ·A) and Δ·B·x:  h_t = dA_t·h_{t-1} + dBx_t   (b, L, ED, N)
-    grad_X   the gradient dLoss/dX (grad_A is the gradient of A; dA is never a gradient)
-    T, K     section 6: the chunk length and the number of chunks
 
 The recurrence h_t = a_t·h_{t-1} + b_t itself, and every way to run it, lives in pscan.py; read
 that file first.
@@ -110,10 +108,9 @@ def discretize(x, delta, A, B):
 # is no fixed convolution as in S4 (eq. 3): it has to be scanned (pscan.py). selective_scan_reference
 # mirrors the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py).
 #
-# Why fp32 whatever the input dtype: bf16 keeps 8 significant bits, 2^-8 apart just below 1. A
-# decay exp(Δ·A) = 0.999 (Δ = 0.001, A = -1: the slowest state at init) rounds to 1.0 and the
-# state never forgets; Δ·B·x ≈ 0.001 added to a state near 1 is under half a spacing: rounded away.
-# fp32's spacing there is 6e-8.
+# Why fp32 whatever the input dtype: bf16's values just below 1 are 2^-8 apart. A decay 0.999
+# (Δ = 0.001, A = -1: the slowest state at init) rounds to 1.0, and Δ·B·x ≈ 0.001 added to a
+# state near 1 rounds away; fp32's spacing there is 6e-8.
 
 def skip_and_gate(y, x, D, z):
     """The last two steps of the selective scan: y + D·x, then the gate SiLU(z). (b, L, ED)."""
@@ -176,7 +173,8 @@ class MambaConfig:
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True
     # How to run it, not part of a checkpoint. "reference": sections 2 and 3's code as written,
-    # differentiated by autograd; any other backend: section 6's engine, the same numbers
+    # differentiated by autograd (the scan by pscan.py section 8's backward); any other backend:
+    # section 6's engine, the same numbers
     scan_backend: str = "auto"
     compile_scan: Union[bool, str] = False  # section 6: False, True or "loop"
     chunk_size: int = 16  # section 6: the fused path's chunk length T
@@ -239,10 +237,9 @@ def shifted_sum(x_pad, w, bias=None, keep=None):
 
 
 def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
-    """The conv's rolling buffer after the sequence x_in (b, L, ED): its last d_conv inputs, zeros
-    before the first token (or conv_state's inputs, continuing a cache), as a fresh (b, ED, d_conv)
-    tensor of `dtype`, so a cache does not keep the prompt's activations alive. With seq_idx, the
-    inputs of earlier sequences are zeros: the buffer is the last sequence's alone."""
+    """The conv's buffer after x_in (b, L, ED): its last d_conv inputs (zeros before the first
+    token, or conv_state's, continuing a cache; with seq_idx, zeros for earlier sequences), a fresh
+    (b, ED, d_conv) tensor of `dtype`: a cache must not keep the prompt's activations alive."""
     x_in = x_in.transpose(1, 2)  # (b, ED, L)
     if conv_state is None:
         state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
@@ -340,7 +337,7 @@ class MambaMixer(nn.Module):
 
     def forward(self, hidden, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's cache
-        (section 5). cache, seq_idx, attention_mask (b, L): section 8."""
+        (section 5). cache, seq_idx, attention_mask (b, L): section 8's options, None in training."""
         cfg = self.cfg
         conv_state, h0 = (None, None) if cache is None else cache
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
@@ -351,7 +348,7 @@ class MambaMixer(nn.Module):
         if attention_mask is not None:  # ... and identity steps: Δ = 0 gives dA = 1, dBx = 0
             delta = delta * attention_mask[..., None]
         reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L) new documents
-        if cfg.scan_backend == "reference":  # section 2 as written, differentiated by autograd
+        if cfg.scan_backend == "reference":  # section 2 as written; autograd, and pscan.py §8's backward
             y, h_last = selective_scan_reference(x, delta, self.A, B, C, self.D, z, h0, reset=reset)
             y = y.to(x.dtype)  # (b, L, ED)
         else:  # the same numbers by section 6's engine: a backward written by hand, or the fused path
@@ -365,9 +362,8 @@ class MambaMixer(nn.Module):
         return out, (conv_after, h_last)  # (b, ED, d_conv), (b, ED, N)
 
     def cache_spec(self, batch):
-        """What prefill's cache holds for this layer, as (name, shape, what the dims are, dtype):
-        step checks a cache against it before it writes anything. The SSM state is fp32 at least,
-        like the scan."""
+        """This layer's cache as (name, shape, its dims, dtype), which step's checks compare against;
+        the SSM state is fp32 at least, like the scan."""
         cfg = self.cfg
         return (("conv_state", (batch, cfg.d_inner, cfg.d_conv), "batch, d_inner, d_conv", self.conv1d.weight.dtype),
                 ("ssm_state", (batch, cfg.d_inner, cfg.d_state), "batch, d_inner, d_state",
@@ -395,8 +391,8 @@ class MambaMixer(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: hidden = hidden + mixer(norm(hidden)), the residual stream in fp32. The official
     Block runs Add -> Norm -> Mixer, to fuse the residual add with the norm in one kernel: the same
-    sums, grouped differently. Section 9: attention in place of the mixer in the layers of
-    cfg.attn_layer_idx, and with d_intermediate > 0 a second sub-block, hidden = hidden + mlp(norm2(hidden))."""
+    sums, grouped differently. Section 9: attention instead of the mixer in cfg.attn_layer_idx's
+    layers; with d_intermediate > 0, hidden = hidden + mlp(norm2(hidden)) after it."""
 
     def __init__(self, cfg: MambaConfig, mixer_cls=MambaMixer, layer_idx=0):
         super().__init__()
@@ -480,9 +476,10 @@ class MambaLM(nn.Module):
 
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
-        cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8).
-        Batched by torch.func.vmap, only their shapes are checked, not their values."""
-        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
+        cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8;
+        None in training: a first reading can skip the lines that use them). Batched by
+        torch.func.vmap, only their shapes are checked, not their values."""
+        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)  # the appendix
         if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # a piece of a packed row
             use["seq_idx"], cache = piece_of_packed_row(use["seq_idx"], cache)  # section 8
         hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)
@@ -765,8 +762,8 @@ def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
 # The paper's answer (§3.3) is not to keep the states in memory at all: its kernel reads x, Δ,
 # A, B, C, D and z once, holds each channel's N states in on-chip memory (SRAM) while it walks
 # the sequence, writes y once, and recomputes the states in the backward. The same step would
-# then move 33 GB, the scan's share 3 GB, in 609 kernels (the command's "ideal fused scan"
-# row): 4.6-4.9x faster than the GPU form, by the model. The fused path below is that idea in
+# then move 33 GB, the scan's share 3 GB, in 591 kernels (the command's "ideal fused scan"
+# row): 11.8 ms on an H100, 4.6-5.0x faster than the GPU form, by the model. The fused path below is that idea in
 # PyTorch: compiled, Inductor fuses a chunk of T steps into one kernel that keeps its states in
 # registers and cache.
 #

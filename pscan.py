@@ -33,9 +33,9 @@ __all__ = ["scan_sequential", "scan_time_invariant", "pscan", "scan_hillis_steel
 # ------------------------------------------------------------------------------------------------
 # 1. The loop
 # ------------------------------------------------------------------------------------------------
-# L dependent steps, each an elementwise multiply-add: simple, and the yardstick of every other
-# backend (test_scan.py checks them all, this one included, against a float64 loop of its own).
-# Its weakness is depth: step t cannot start before step t-1 has finished.
+# L dependent steps, each an elementwise multiply-add: the yardstick of every other backend
+# (test_scan.py checks them all against a float64 loop of its own). Its weakness is depth: step t
+# waits for step t-1.
 
 def scan_sequential(a, b, h0=None):
     """The loop. Differentiable through plain autograd (backward linear in L).
@@ -274,6 +274,9 @@ def scan_hillis_steele(a, b, h0=None):
 # Any T works: a chunk's a-product may underflow to 0, but it only scales a carried state
 # whose true contribution is then as small. (Dividing by it, h_t = p_t·Σ_{s<=t} b_s/p_s, would
 # give inf·0 = NaN.)
+#
+# Hillis-Steele and the two-level scan are here to teach and to count: on the CPUs of RESULTS.md
+# both are slower than pscan (`python bench.py scan`).
 
 def _two_level(x, w, reverse=False, chunk_size=64):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -331,10 +334,7 @@ def _backward(ctx, a, h, h0, grad_h):
     if ctx.needs_input_grad[0]:
         grad_a = torch.empty_like(g)  # (batch, L, *rest)
         grad_a[:, 1:] = g[:, 1:] * h[:, :-1]  # not torch.mul(out=a slice): torch.compile refuses that
-        if h0 is None:
-            grad_a[:, 0].zero_()
-        else:
-            grad_a[:, 0] = g[:, 0] * h0.to(dtype)
+        grad_a[:, 0] = 0 if h0 is None else g[:, 0] * h0.to(dtype)
         grad_a = grad_a.to(a.dtype)
     if h0 is not None and ctx.needs_input_grad[2]:
         grad_h0 = (g[:, 0] * a[:, 0].to(dtype)).to(h0.dtype)  # (batch, *rest)
@@ -387,8 +387,7 @@ def pscan(a, b, h0=None):
 # 9. One entry point
 # ------------------------------------------------------------------------------------------------
 # "auto" runs pscan, or the loop for forward-only passes over wide steps, on one CPU thread or on
-# a GPU (appendix C). Hillis-Steele and the two-level scan teach and count: on the CPUs of RESULTS.md
-# both are slower than pscan (`python bench.py scan`). "associative" is torch's own scan (appendix B).
+# a GPU (appendix C); "associative" is torch's own scan (appendix B).
 
 BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative")
 

@@ -6,10 +6,12 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"  # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py        # data parallel (gloo on CPU, nccl on CUDA)
 
-The first part reads top to bottom like nanoGPT's train.py: settings, data, models, learning rate,
-training step, evaluation, sampling, the run; the plumbing after it makes a run safe to use and to
-resume. A run is time-based (--max-time, the CPU default: the learning rate, the evaluations and the
-stop follow the fraction of the budget spent) or iteration-based (--max-iters, the CUDA default).
+The first part reads top to bottom in the order of nanoGPT's train.py: settings, data, models,
+learning rate, training step, evaluation, sampling, the run. What it calls from the plumbing after it
+(the flags and their checks, precision, checkpoints and resuming, compiling, logging, torchrun) is
+named at each call; `--help` lists every flag. A run is time-based (--max-time, the CPU default:
+the learning rate, the evaluations and the stop follow the fraction of the budget spent) or
+iteration-based (--max-iters, the CUDA default).
 """
 
 import argparse
@@ -36,7 +38,7 @@ DEFAULTS = {
     # 0.83M parameters, 5 minutes: what won `python bench.py sweep` at that budget, as the GPT's below
     "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, lr=6e-3, beta2=0.95,
                 warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto", max_time=300.0, num_evals=10),
-    # 5.8M parameters, the width and depth of nanoGPT's baby GPT (10.65M as it counts: attention plus MLP)
+    # 5.8M parameters: the width and depth of nanoGPT's baby GPT
     "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
                  beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
                  max_time=None, num_evals=20),
@@ -49,10 +51,10 @@ ARCH_DEFAULTS = {
     "mamba": {},
     # Mamba-2: a larger state is cheap (the scan runs as matmuls); python bench.py mamba2_train
     "mamba2": {"cpu": dict(d_model=128, n_layer=7, d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3 at d_state 32: a CPU step costs 1.0-1.2x Mamba-2's at 64 (python bench.py mamba3)
+    # Mamba-3 at d_state 32: a CPU step costs about 1.05x Mamba-2's at 64 (python bench.py mamba3)
     "mamba3": {"cpu": dict(d_model=128, n_layer=7, d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick (gpt_minimal.py): nanoGPT's README CPU run (config/train_shakespeare_char.py), time-based,
-    # in the 2 x 192 shape that won the sweep at 300 s (nanoGPT's: 4 x 128, 4 heads); on a GPU its baby GPT
+    # The yardstick (gpt_minimal.py): nanoGPT's Shakespeare settings (config/train_shakespeare_char.py);
+    # on a CPU time-based, in the 2 x 192 shape that won the sweep at 300 s; on a GPU its baby GPT
     "gpt": {"cpu": dict(d_model=192, n_layer=2, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
@@ -96,7 +98,8 @@ def fill_defaults(args, device):
 def default_dtype(device, arch):
     """--dtype's default: bf16 where the GPU computes in it (Ampere and later), fp16 with loss scaling
     on older GPUs (T4, V100 emulate bf16, slowly); on a CPU with bf16 instructions bf16 for Mamba
-    (raced at 300 s against fp32: the same loss, see --help), else fp32."""
+    (eight 300 s races against fp32, two on a quiet machine: a tie in loss, 7-13% more steps; see
+    --help), else fp32."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if device.type == "cpu" and arch == "mamba" and cpu_computes_in_bf16() else "fp32"
@@ -263,7 +266,7 @@ class Run:
         data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
         n_train = int(0.9 * len(data))
         self.train_data, self.val_data = data[:n_train], data[n_train:]
-        check_val_split(len(text), len(self.val_data), args.block_size)
+        check_val_split(len(text), len(self.val_data), args.block_size)  # a text too short: a clear error
         # the same windows at every evaluation, so the curve measures the model, not the windows drawn
         g = torch.Generator().manual_seed(1234)
         n_eval = args.eval_iters * args.batch_size
@@ -280,7 +283,7 @@ class Run:
 
         # ---------------------------------------------------------------- fresh start or resume
         self.p = Progress()  # step, elapsed time, best val loss, ...: what a checkpoint saves
-        start_or_resume(self, ckpt)
+        start_or_resume(self, ckpt)  # a fresh --out-dir, or --resume's model, optimizer, progress
         n_params = sum(p.numel() for p in self.raw_model.parameters())
         log(f"{n_params / 1e6:.2f}M parameters, vocab {self.vocab_size}, {len(self.train_data):,} train / "
             f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
@@ -293,7 +296,7 @@ class Run:
                                self.autocast)
         val_loss = mean_loss(self.model, self.val_data, self.val_starts, self.vocab_size, args, self.device,
                              self.autocast)
-        exit_if_diverged(val_loss, p.step, args)
+        exit_if_diverged(val_loss, p.step, args)  # a NaN or exploding loss ends the run with a message
         improved = val_loss < p.best_val
         p.best_val = min(p.best_val, val_loss)
         p.bad_evals = 0 if improved else p.bad_evals + 1
@@ -372,12 +375,9 @@ def main(argv=None):
     fill_defaults(args, device)
     torch.manual_seed(args.seed)
     if args.sample:
-        model, sampled = load_for_sampling(args, device)
-        try:
-            if RANK == 0:
-                sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
-        except ValueError as err:
-            sys.exit(f"error: {err}")
+        model, sampled = load_for_sampling(args, device)  # and the prompt checked against its vocabulary
+        if RANK == 0:
+            sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
     else:
         check_out_dir(args.out_dir)
         run = Run(args, device, ddp, ckpt)
@@ -566,10 +566,10 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 DTYPE_HELP = ("the precision of the matmuls, through torch.autocast; the weights, the optimizer and the SSM "
               "state stay fp32. Default: bf16 on a GPU that computes in it, fp16 with loss scaling on older "
               "GPUs (fp16 is meant for those GPUs); on a CPU, bf16 for --arch mamba "
-              "where the CPU has bf16 instructions (AVX-512-BF16 or AMX-BF16), else fp32. Raced on a busy 2-core "
+              "where the CPU has bf16 instructions (AVX-512-BF16 or AMX-BF16), else fp32. Raced on a 2-core "
               "Intel Xeon VM with AVX-512-BF16 and AMX, `python bench.py race --racers mamba_fp32,mamba_bf16 "
-              "--max-time 300 --together`, six pairs: bf16's best val from 0.003 above fp32's to 0.013 below, "
-              "its steps from 1%% fewer to 7%% more (RESULTS.md)")
+              "--max-time 300 --together`, eight pairs: bf16's best val from 0.003 above fp32's to 0.020 below; "
+              "on the quiet machine 7-13%% more steps (RESULTS.md)")
 
 
 def cpu_computes_in_bf16():
@@ -839,6 +839,10 @@ def load_for_sampling(args, device):
     if not os.path.exists(path):
         sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
     ckpt = load_checkpoint(path)
+    try:
+        checked_prompt(args.prompt, ckpt["vocab"])
+    except ValueError as err:
+        sys.exit(f"error: {err}")
     model = build_model(ckpt.get("arch", "mamba"), ckpt["config"])
     set_compiled(model, False)  # a prompt is read once: compiling for it costs more than it saves
     try:
