@@ -2,8 +2,8 @@
 mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, compatible with the
 official checkpoints.
 
-Read it top to bottom: sections 1 to 5 are the whole model. By default their scan and conv run
-through section 6's engine (the same numbers to rounding, 1.2-1.5 times as fast to train);
+Read it top to bottom: sections 1 to 5 are the whole model. By default their scan, and the conv's
+backward, run through section 6's engine (the same numbers to rounding, 1.2-1.5 times as fast to train);
 MambaConfig(scan_backend="reference") runs sections 2 and 3's code itself: the two paths sit side
 by side in MambaMixer. Sections 1 to 5 reach later code only through options (that switch,
 compiling, loading, packed sequences, hybrid layers, the ablation) and the appendix's input checks.
@@ -173,8 +173,8 @@ class MambaConfig:
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True
     # How to run it, not part of a checkpoint. "reference": sections 2 and 3's code as written,
-    # differentiated by autograd (the scan by pscan.py section 8's backward); any other backend:
-    # section 6's engine, the same numbers
+    # differentiated by autograd (the scan by pscan.py section 8's backward; pscan.scan picks the
+    # scan); any other value: section 6's engine, the same numbers, the value naming the scan it runs
     scan_backend: str = "auto"
     compile_scan: Union[bool, str] = False  # section 6: False, True or "loop"
     chunk_size: int = 16  # section 6: the fused path's chunk length T
@@ -223,7 +223,7 @@ def shifted_sum(x_pad, w, bias=None, keep=None):
     """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, ED) is
     the d_conv-1 inputs before the first token, then the tokens; w (ED, d_conv); keep: conv_keep's
     (section 8).
-    -> (b, L, ED). On a CPU far cheaper than nn.Conv1d's backward."""
+    -> (b, L, ED): the conv as d_conv shifted multiply-adds, whose backward section 6 writes out."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
     def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, ED)
@@ -548,14 +548,15 @@ class MambaLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
-        """Load a checkpoint: a folder holding config.json (official or transformers fields) and
-        the weights, or a hub id; section 7 gives the rules."""
+        """Load a checkpoint folder (official or transformers layout) or a hub id: section 7."""
         return load_pretrained(cls, path_or_id, device, dtype, **overrides)
 
     def save_pretrained(self, folder, safe_serialization=None):
-        """Write config.json and the weights in the official layout, which from_pretrained reads; see section 7."""
+        """config.json and the weights, in the official layout: section 7."""
         return save_pretrained(self, folder, config_to_dict(self.cfg), safe_serialization)
 
+
+# Sampling (section 5, continued)
 
 def top_k_top_p(logits, top_k=None, top_p=None):
     """sample_next's filters: logits (b, V) -> (b, V) with -inf outside the top_k tokens and outside
@@ -750,7 +751,8 @@ def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
 #              dLoss/d(Δ·A) (two passes, see _gpu_backward) and its sums over N and
 #              over (b, L), two batched matmuls                                      7 U
 #
-# 22 U, 17.7 GB a layer: 116 GB of the step's 155 GB, counted. The CPU form would move 294 GB
+# 22 U, 17.7 GB a layer, 106 GB in six layers; with the scan's smaller (b, L, ED) tensors, 116 GB
+# of the step's 155 GB, counted. The CPU form would move 294 GB
 # (the same command's row for it, with pscan.py's tree): its per-state loop makes about eight
 # passes over every (b, L, ED) slice, which a CPU's cache absorbs and a GPU pays in full, and
 # the tree moves 11 U per scan against the loop's 4. 22 U is about the least that

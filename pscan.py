@@ -79,7 +79,8 @@ def scan_time_invariant(a, b, h0=None):
         b:  (batch, L, *rest)
         h0: (batch, *rest) or None
     Returns:
-        h:  (batch, L, *rest), scan_sequential's result to within about eps·max|h|
+        h:  (batch, L, *rest), scan_sequential's result to within a few tens of eps·max|h|
+            (more as a -> 1)
     """
     dtype = _check_time_invariant_inputs(a, b, h0)
     L = b.shape[1]
@@ -225,7 +226,7 @@ def _brent_kung_(x, w, reverse=False):
 #
 # (at d = 2, element 5 holding 4:6 takes element 3 holding 2:4: 2:4 ∘ 4:6 = 2:6).
 #
-# Half the tree's levels, for log2(L)/2 times its work (section 4's table).
+# Half the tree's levels, for about (log2(L) - 1)/2 times its work (4.5x at L = 1024, section 4).
 
 def _hillis_steele(x, w, reverse=False):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
@@ -371,7 +372,7 @@ class _ScanFunction(torch.autograd.Function):
 def _run(scan, a, b, h0, dtype, extra=()):
     """h from the Function above with the given scan. Eager code runs appendix A's subclass of it,
     _ScanWithJvp: the same forward and backward, plus forward mode (jvp), which torch.compile cannot
-    trace; code being compiled runs _ScanFunction itself."""
+    trace, and vmap; code being compiled runs _ScanFunction itself."""
     function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
     return function.apply(a, b, h0, dtype, scan, extra)
 
@@ -532,10 +533,11 @@ def scan_associative(a, b, h0=None):
 # level reads and writes its pairs and multiplies the multipliers of the level above). The loop
 # wins once a step is wide enough for its bytes to outweigh those fixed costs. By
 # `python bench.py roofline`, a model of a training step, not a measurement (RESULTS.md), for
-# Mamba-1 at the trainer's CUDA defaults with the batch varied: on the H100 and the H200 the
-# loop overtakes the tree between 400 and 600 thousand values per step, hence the threshold
-# below, and on the A100 and the T4, which have less bandwidth, lower; at the default, 786,432
-# values (64 x 768 x 16), the loop's step is 1.1x (H200) to 1.4x (T4) faster. Again forward
+# Mamba-1 at the trainer's CUDA defaults with the batch varied (RESULTS.md, "The loop against the
+# tree on a GPU"): the loop overtakes the tree between 393 and 492 thousand values per step on the
+# H100 and at about 590 thousand on the H200, hence the threshold below, and lower on the A100
+# and the T4, which have less bandwidth; at the default, 786,432 values (64 x 768 x 16), the
+# loop's step is 1.1x (H200) to 1.4x (T4) faster. Again forward
 # only: with a backward, the loop's autograd graph would record L steps.
 
 CPU_LOOP_MIN_WIDTH = 8192

@@ -8,10 +8,10 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
 
 The first part reads top to bottom in the order of nanoGPT's train.py: settings, data, models,
 learning rate, training step, evaluation, sampling, the run. What it calls from the plumbing after it
-(the flags and their checks, precision, checkpoints and resuming, compiling, logging, torchrun) is
-named at each call; `--help` lists every flag. A run is time-based (--max-time, the CPU default:
-the learning rate, the evaluations and the stop follow the fraction of the budget spent) or
-iteration-based (--max-iters, the CUDA default).
+(the flags and their checks, precision, checkpoints and resuming, compiling, logging, torchrun) says
+what it does by its name or a comment at the call; `--help` lists every flag. A run is time-based
+(--max-time, the CPU default: the learning rate, the evaluations and the stop follow the fraction of
+the budget spent) or iteration-based (--max-iters, the CUDA default).
 """
 
 import argparse
@@ -51,7 +51,7 @@ ARCH_DEFAULTS = {
     "mamba": {},
     # Mamba-2: a larger state is cheap (the scan runs as matmuls); python bench.py mamba2_train
     "mamba2": {"cpu": dict(d_model=128, n_layer=7, d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3 at d_state 32: a CPU step costs about 1.05x Mamba-2's at 64 (python bench.py mamba3)
+    # Mamba-3 at d_state 32: a CPU step costs about 1.04x Mamba-2's at 64 (python bench.py mamba3)
     "mamba3": {"cpu": dict(d_model=128, n_layer=7, d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
     # The yardstick (gpt_minimal.py): nanoGPT's Shakespeare settings (config/train_shakespeare_char.py);
     # on a CPU time-based, in the 2 x 192 shape that won the sweep at 300 s; on a GPU its baby GPT
