@@ -17,6 +17,7 @@ bench.py: side-by-side timings and memory of the scan backends.
     python bench.py mamba3        # one training step of Mamba-3 candidates vs Mamba-1, Mamba-2 and the GPT; generation
     python bench.py roofline      # a MODEL of one training step on four GPUs (no GPU needed): kernels, bytes, FLOPs, memory
     python bench.py graphs        # what torch.compile makes of each model: graphs, graph breaks, recompiles
+    python bench.py reading       # the reading path's minutes by the README's method, part by part
     python bench.py all           # everything above
     python bench.py gpu --data data/tinyshakespeare.txt  # a CUDA machine, offline, within --budget s
     python bench.py gpu --tiny    # the same parts in the same order, at a toy size on the CPU
@@ -38,6 +39,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import signal
 import statistics
@@ -1830,10 +1832,110 @@ def check_args(p, args, tables):
     return device
 
 
+# ------------------------------------------------------------------------------------------------
+# How long the lesson takes to read: python bench.py reading
+# ------------------------------------------------------------------------------------------------
+# The README's reading times come from a fixed method, so that they can be checked and kept up to
+# date: Python's tokenizer sorts each line of a part into code, comment (a whole-line #) or
+# docstring (a string that is a statement of its own); prose is every whitespace-separated word of
+# the comment and docstring lines and of the comments after code. Prose reads at 150 words a minute,
+# code at 15 to 20 lines a minute; the README's prose at 200 words a minute and its code blocks at
+# 30 lines a minute. A part runs from a line to the line before a banner.
+
+READING_PARTS = (  # (label, file, first line's pattern or None for line 1, the pattern it stops before)
+    ("pscan.py §1-5", "pscan.py", None, r"# 6\. The Hillis"),
+    ("pscan.py §8-9", "pscan.py", r"# 8\. The backward", r"# Appendix: the engine"),
+    ("mamba_minimal.py §1-5", "mamba_minimal.py", None, r"# 6\. Making it fast"),
+    ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing"),
+)
+READING_OFF_PATH = (
+    ("pscan.py §6-7 (optional)", "pscan.py", r"# 6\. The Hillis", r"# 8\. The backward"),
+    ("mamba_minimal.py §6", "mamba_minimal.py", r"# 6\. Making it fast", r"# 7\. Loading"),
+)
+
+
+def reading_counts(path, first=1, last=None):
+    """Lines first..last (1-based, inclusive) of a Python file -> (code lines, prose words)."""
+    import io
+    import tokenize
+    src = open(path, encoding="utf-8").read()
+    lines = src.splitlines()
+    last = last or len(lines)
+    code, doc, comment, trailing = set(), set(), set(), {}
+    tokens = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    layout = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER, tokenize.ENCODING)
+    for i, t in enumerate(tokens):
+        rows = range(t.start[0], t.end[0] + 1)
+        if t.type == tokenize.COMMENT:
+            if lines[t.start[0] - 1].strip().startswith("#"):
+                comment.add(t.start[0])
+            else:
+                trailing[t.start[0]] = len(t.string.lstrip("#").split())
+        elif t.type == tokenize.STRING:
+            before = next((u for u in reversed(tokens[:i]) if u.type not in (tokenize.NL, tokenize.COMMENT)), None)
+            after = next(u for u in tokens[i + 1:] if u.type not in (tokenize.NL, tokenize.COMMENT))
+            statement = before is None or before.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                                                           tokenize.ENCODING)
+            (doc if statement and after.type in (tokenize.NEWLINE, tokenize.ENDMARKER) else code).update(rows)
+        elif t.type not in layout:
+            code.update(rows)
+    code -= doc
+    words = 0
+    for r in range(first, last + 1):
+        if r in doc or (r in comment and r not in code):
+            text = lines[r - 1].strip().lstrip("#").strip().strip('"').strip()
+            if not re.fullmatch(r"[-=]+", text):  # a banner's rule is not prose
+                words += len(text.split())
+        words += trailing.get(r, 0)
+    return sum(1 for r in range(first, last + 1) if r in code), words
+
+
+def reading_minutes(path, start, stop):
+    """(code lines, prose words, minutes at 20 code lines a minute, at 15) of the part of path that
+    starts at the line matching start (line 1 if None) and ends before the line matching stop."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    find = lambda pattern: next(i for i, line in enumerate(lines, 1) if re.match(pattern, line))
+    first = 1 if start is None else find(start) - 1  # the banner's rule above the heading
+    code, words = reading_counts(path, first, find(stop) - 2)
+    return code, words, words / 150 + code / 20, words / 150 + code / 15
+
+
+def readme_minutes(path="README.md"):
+    """(code-block lines, prose words, minutes) of the README: prose at 200 words a minute, code at 30 lines."""
+    code = words = 0
+    inside = False
+    for line in open(path, encoding="utf-8").read().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside:
+            code += 1
+        else:
+            words += len(line.split())
+    return code, words, words / 200 + code / 30
+
+
+def bench_reading(args, device):
+    """The reading path's minutes by the README's method, part by part, and two parts off the path."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code, words, minutes = readme_minutes(os.path.join(here, "README.md"))
+    rows = [["README.md", code, words, f"{minutes:.1f}", f"{minutes:.1f}"]]
+    low = high = minutes
+    for label, name, start, stop in READING_PARTS + READING_OFF_PATH:
+        code, words, fast, slow = reading_minutes(os.path.join(here, name), start, stop)
+        rows.append([label, code, words, f"{fast:.1f}", f"{slow:.1f}"])
+        if (label, name, start, stop) in READING_PARTS:
+            low, high = low + fast, high + slow
+    rows.insert(len(READING_PARTS) + 1, ["the path, in all", "", "", f"{low:.1f}", f"{high:.1f}"])
+    table("Reading time by the README's method: prose 150 words a minute (the README's 200), code 15-20 lines "
+          "a minute (the README's code blocks 30)", ["part", "code lines", "prose words", "minutes, fast", "minutes, slow"],
+          rows)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="*", help="tables to print: scan (default), depth, crossover, selective, "
                                            "train, profile, race, sweep, generate, decode, load, mamba2_ssd, mamba2_train, mamba2_profile, mamba3, roofline, graphs, "
+                                           "reading, "
                                            "all; or gpu")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default 1; race: the trainer's own choice unless given)")
@@ -1880,7 +1982,7 @@ def main(argv=None):
               "selective": bench_selective, "train": bench_train, "profile": bench_profile, "race": bench_race, "sweep": bench_sweep, "generate": bench_generate, "decode": bench_decode,
               "mamba2_ssd": bench_mamba2_ssd, "mamba2_train": bench_mamba2_train,
               "mamba2_profile": bench_mamba2_profile, "mamba3": bench_mamba3, "roofline": bench_roofline, "load": bench_load,
-              "graphs": bench_graphs}
+              "graphs": bench_graphs, "reading": bench_reading}
     device = check_args(p, args, tables)
     torch.set_num_threads(args.threads or 1)
     if args.what == ["gpu"]:  # not part of "all": it needs a GPU and runs its own subprocesses

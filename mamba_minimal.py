@@ -479,7 +479,7 @@ class MambaLM(nn.Module):
         cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8;
         None in training: a first reading can skip the lines that use them). Batched by
         torch.func.vmap, only their shapes are checked, not their values."""
-        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)  # the appendix
+        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)  # the appendix; {} in training
         if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # a piece of a packed row
             use["seq_idx"], cache = piece_of_packed_row(use["seq_idx"], cache)  # section 8
         hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)

@@ -254,3 +254,29 @@ def test_a_race_verdict_needs_a_spread_over_two_runs_or_more():
     assert bench.race_verdict(0.0860, 0.01, 2, labels).endswith("mamba (default) ahead")
     assert bench.race_verdict(-0.0860, 0.01, 2, labels).endswith("GPT (yardstick) ahead")
     assert "a tie" in bench.race_verdict(0.005, 0.01, 3, labels)
+
+
+def test_reading_counts_code_lines_and_prose_words_as_the_readme_method_says(tmp_path):
+    path = tmp_path / "lesson.py"
+    path.write_text('"""A module docstring of six words."""\n'
+                    "# a comment of five words\n"
+                    "x = 1  # three trailing words\n"
+                    "# ----------\n"
+                    "def f():\n"
+                    '    """Two words."""\n'
+                    '    return "not a docstring"\n')
+    # by hand: code lines 3, 5 and 7; prose 6 + 5 + 3 + 2 words, the rule of dashes being no prose
+    assert bench.reading_counts(str(path)) == (3, 16)
+    assert bench.reading_counts(str(path), 3, 4) == (1, 3)
+    readme = tmp_path / "README.md"
+    readme.write_text("Two hundred words.\n```\ncode\nmore code\n```\n")
+    assert bench.readme_minutes(str(readme)) == (2, 3, pytest.approx(3 / 200 + 2 / 30))
+
+
+def test_bench_reading_prints_the_path_the_readme_times(capsys):
+    bench.main(["reading"])
+    out = capsys.readouterr().out
+    total = re.search(r"the path, in all \|\s+\|\s+\|\s+([\d.]+) \|\s+([\d.]+) \|", out)
+    low, high = float(total.group(1)), float(total.group(2))
+    claimed = re.search(r"reads in about (\d+)-(\d+) minutes", open(os.path.join(HERE, "README.md")).read())
+    assert round(low) == int(claimed.group(1)) and round(high) == int(claimed.group(2))
