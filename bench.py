@@ -240,7 +240,7 @@ def bench_scan(args, device):
 
 def bench_depth(args, device):
     """Work and depth of each scan as pscan.count_combines counts them, beside their CPU times."""
-    launch_us = 5.0  # an assumed cost of one GPU kernel launch (a few µs), not a measurement
+    launch_us = LAUNCH_US  # a dependent level is at least one op the CPU issues: the roofline's assumption
     lengths = (256,) if args.quick else (1024, 4096)
     rows = []
     for L in lengths:
