@@ -222,8 +222,8 @@ def dt_bias_init(n, cfg):
 def shifted_sum(x_pad, w, bias=None, keep=None):
     """The depthwise causal conv, out_t = Σ_k w_k·x_pad_{t+k} + bias: x_pad (b, d_conv-1+L, ED) is
     the d_conv-1 inputs before the first token, then the tokens; w (ED, d_conv); keep: conv_keep's
-    (section 8).
-    -> (b, L, ED): the conv as d_conv shifted multiply-adds, whose backward section 6 writes out."""
+    (section 8). -> (b, L, ED): the conv as d_conv shifted multiply-adds (section 6 writes their
+    backward out)."""
     width, L = w.shape[1], x_pad.shape[1] - w.shape[1] + 1
 
     def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, ED)
@@ -479,7 +479,8 @@ class MambaLM(nn.Module):
         cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8;
         None in training: a first reading can skip the lines that use them). Batched by
         torch.func.vmap, only their shapes are checked, not their values."""
-        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)  # the appendix; {} in training
+        # the appendix: the inputs checked, and the keyword arguments every layer takes ({} in training)
+        use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
         if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # a piece of a packed row
             use["seq_idx"], cache = piece_of_packed_row(use["seq_idx"], cache)  # section 8
         hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)
@@ -752,22 +753,22 @@ def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
 #              over (b, L), two batched matmuls                                      7 U
 #
 # 22 U, 17.7 GB a layer, 106 GB in six layers; with the scan's smaller (b, L, ED) tensors, 116 GB
-# of the step's 155 GB, counted. The CPU form would move 294 GB
-# (the same command's row for it, with pscan.py's tree): its per-state loop makes about eight
-# passes over every (b, L, ED) slice, which a CPU's cache absorbs and a GPU pays in full, and
-# the tree moves 11 U per scan against the loop's 4. 22 U is about the least that
-# states in memory allow: the forward writes dA and h and reads them back, the backward writes
-# G and reads it, h and dA back. At an H100's 3.35 TB/s, 155 GB take 46 ms; the step's
-# matmuls, 0.6 TFLOP, under 1 ms. The loop's price is kernels: 255 a scan, 3,897 in the step,
-# which the CPU issues while the GPU works through the large ones (pscan.py, appendix C).
+# of the step's 155 GB, counted. The CPU form would move 294 GB (the same command's row for it,
+# with pscan.py's tree): its per-state loop makes about eight passes over every (b, L, ED) slice,
+# which a CPU's cache absorbs and a GPU pays in full, and the tree moves 11 U per scan against the
+# loop's 4. 22 U is about the least that states in memory allow: the forward writes dA and h and
+# reads them back, the backward writes G and reads it, h and dA back. At an H100's 3.35 TB/s, 155
+# GB take 46 ms; the step's matmuls, 0.6 TFLOP, under 1 ms. The loop's price is kernels: 255 a
+# scan, 3,897 in the step, which the CPU issues while the GPU works through the large ones
+# (pscan.py, appendix C).
 #
-# The paper's answer (§3.3) is not to keep the states in memory at all: its kernel reads x, Δ,
-# A, B, C, D and z once, holds each channel's N states in on-chip memory (SRAM) while it walks
-# the sequence, writes y once, and recomputes the states in the backward. The same step would
-# then move 33 GB, the scan's share 3 GB, in 591 kernels (the command's "ideal fused scan"
-# row): 11.8 ms on an H100, 4.6-5.0x faster than the GPU form, by the model. The fused path below is that idea in
-# PyTorch: compiled, Inductor fuses a chunk of T steps into one kernel that keeps its states in
-# registers and cache.
+# The paper's answer (§3.3) is not to keep the states in memory at all: its kernel reads x, Δ, A,
+# B, C, D and z once, holds each channel's N states in on-chip memory (SRAM) while it walks the
+# sequence, writes y once, and recomputes the states in the backward. The same step would then
+# move 33 GB, the scan's share 3 GB, in 591 kernels (the command's "ideal fused scan" row): 11.8
+# ms on an H100, 4.6-5.0x faster than the GPU form, by the model. The fused path below is that
+# idea in PyTorch: compiled, Inductor fuses a chunk of T steps into one kernel that keeps its
+# states in registers and cache.
 #
 # The GPU form: the states in section 1's layout (b, L, ED, N), so that every contraction of the
 # backward is a batched matmul (cuBLAS reads its operand once) instead of a product and a sum

@@ -527,22 +527,22 @@ def scan_associative(a, b, h0=None):
 # `python bench.py scan` on a 2-core Intel Xeon with AVX-512), because the loop's autograd graph
 # records L small steps. Forward only, the loop reads each input once and catches up as a step
 # gets wider, on one thread only: `python bench.py crossover` (L = 1024) on that CPU found, with
-# one thread, the loop and pscan level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x at 16384,
-# 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every width, so
-# the loop is chosen only where torch runs one thread.
+# one thread, the loop and pscan level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x
+# at 16384, 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every
+# width, so the loop is chosen only where torch runs one thread.
 #
 # On a GPU every one of the loop's L - 1 steps is a kernel of its own, with a fixed cost of a few
-# microseconds on the GPU and more on the CPU that issues it, while the tree runs about
-# 3·log2(L) kernels but moves about 11 values per element against the loop's 4 (section 5: each
-# level reads and writes its pairs and multiplies the multipliers of the level above). The loop
-# wins once a step is wide enough for its bytes to outweigh those fixed costs. By
-# `python bench.py roofline`, a model of a training step, not a measurement (RESULTS.md), for
-# Mamba-1 at the trainer's CUDA defaults with the batch varied (RESULTS.md, "The loop against the
-# tree on a GPU"): the loop overtakes the tree between 393 and 492 thousand values per step on the
-# H100 and at about 590 thousand on the H200, hence the threshold below, and lower on the A100
-# and the T4, which have less bandwidth; at the default, 786,432 values (64 x 768 x 16), the
-# loop's step is 1.1x (H200) to 1.4x (T4) faster. Again forward
-# only: with a backward, the loop's autograd graph would record L steps.
+# microseconds on the GPU and more on the CPU that issues it, while the tree runs about 3·log2(L)
+# kernels but moves about 11 values per element against the loop's 4 (section 5: each level reads
+# and writes its pairs and multiplies the multipliers of the level above). The loop wins once a
+# step is wide enough for its bytes to outweigh those fixed costs. By `python bench.py roofline`,
+# a model of a training step, not a measurement (RESULTS.md), for Mamba-1 at the trainer's CUDA
+# defaults with the batch varied (RESULTS.md, "The loop against the tree on a GPU"): the loop
+# overtakes the tree between 393 and 492 thousand values per step on the H100 and at about 590
+# thousand on the H200, hence the threshold below, and lower on the A100 and the T4, which have
+# less bandwidth; at the default, 786,432 values (64 x 768 x 16), the loop's step is 1.1x (H200)
+# to 1.4x (T4) faster. Again forward only: with a backward, the loop's autograd graph would record
+# L steps.
 
 CPU_LOOP_MIN_WIDTH = 8192
 GPU_LOOP_MIN_WIDTH = 2 ** 19

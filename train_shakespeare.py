@@ -288,7 +288,8 @@ class Run:
         log(f"{n_params / 1e6:.2f}M parameters, vocab {self.vocab_size}, {len(self.train_data):,} train / "
             f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
             f"{torch.get_num_threads()} thread(s), {args.dtype}"
-            + (f", scan_backend {args.scan_backend}" if args.arch == "mamba" and args.scan_backend != "auto" else ""))
+            + (f", scan_backend {args.scan_backend}" if args.arch == "mamba" and args.scan_backend != "auto"
+               else ""))
         self.model = wrap(self.raw_model, args.compile_model, ddp, device)  # compiled, DDP: as asked
 
     def evaluate(self):
@@ -371,7 +372,7 @@ class Run:
 
 def main(argv=None):
     args = parse_args(argv)
-    ddp, device = start_processes(args)  # the device (--device, else CUDA, MPS or the CPU); torchrun's processes
+    ddp, device = start_processes(args)  # the device (--device, else CUDA, MPS, CPU), torchrun's processes
     ckpt = read_last_checkpoint(args) if args.resume and not args.sample else None
     fill_defaults(args, device)
     torch.manual_seed(args.seed)
