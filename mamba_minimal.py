@@ -121,11 +121,11 @@ def skip_and_gate(y, x, D, z):
     return y
 
 
-def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", reset=None):
+def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="pscan", reset=None):
     """y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z); section 6 is tested against it.
     x, delta, z: (b, L, ED); A: (ED, N); B, C: (b, L, N); D: (ED,); h0: (b, ED, N) or None;
-    backend: one of pscan.BACKENDS; reset: section 8. -> y (b, L, ED) and the final state
-    (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
+    backend: one of pscan.BACKENDS, the same h to rounding; reset: section 8. -> y (b, L, ED) and
+    the final state (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
@@ -173,8 +173,8 @@ class MambaConfig:
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True
     # How to run it, not part of a checkpoint. "reference": sections 2 and 3's code as written,
-    # differentiated by autograd (the scan by pscan.py section 8's backward; pscan.scan picks the
-    # scan); any other value: section 6's engine, the same numbers, the value naming the scan it runs
+    # differentiated by autograd (the scan: pscan.py's tree and its section 8 backward); any other
+    # value: section 6's engine, the same numbers, the value naming the scan it runs
     scan_backend: str = "auto"
     compile_scan: Union[bool, str] = False  # section 6: False, True or "loop"
     chunk_size: int = 16  # section 6: the fused path's chunk length T
@@ -648,8 +648,9 @@ def _scan_in_place(h, dA, backend, reverse=False):
             for t in range(1, h.shape[1]):
                 h_steps[t].addcmul_(dA_steps[t], h_steps[t - 1])
         return h
-    if backend == "pscan" or (backend == "associative" and reverse):  # the Brent-Kung tree of
-        return pscan._brent_kung_(h, dA[:, 1:], reverse)              # pscan.py, sections 5 and 8
+    if backend == "pscan" or (backend == "associative" and reverse):  # the Brent-Kung tree in place:
+        tree = pscan._brent_kung_reverse_ if reverse else pscan._brent_kung_  # pscan.py section 5, appendix G
+        return tree(h, dA[:, 1:])
     if not reverse:
         return pscan.scan(dA, h, None, backend)
     # pscan.scan on the time-reversed sequence; the step after the last one is the identity
@@ -2330,8 +2331,9 @@ def _check_step_inputs(model, token_ids, cache):
 
 
 def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask):
-    """forward's arguments; returns the mixers' keyword arguments (_check_use). Values are read
-    where that costs no device sync: CPU ids, or a prefill (want_cache), once per prompt."""
+    """forward's arguments; returns the mixers' keyword arguments, {} in training (_check_use).
+    Values are read where that costs no device sync: CPU ids, or a prefill (want_cache), once per
+    prompt."""
     _check_token_ids(input_ids)
     # not while torch.compile traces the model: a value read there would cut the graph in two; nor
     # where torch.func.vmap batches an argument: a batched tensor has no single value to read
@@ -2339,6 +2341,8 @@ def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask)
         and not any(_batched_by_vmap(t) for t in (input_ids, seq_idx, attention_mask))
     if read_values:
         _check_token_range(input_ids, model.cfg.vocab_size)
+    if cache is None and seq_idx is None and attention_mask is None:
+        return {}  # training, or a first prefill: no options
     return _check_use(model, input_ids, cache, seq_idx, attention_mask, read_values)
 
 

@@ -12,7 +12,8 @@ Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the comb
 and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan (a
 first reading can skip both), 8 the backward, 9 scan(), the entry point. The appendix is the
 engine: A second derivatives, jvp, vmap; B torch's associative_scan; C how "auto" chooses; D
-counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3.
+counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3; G the reverse tree in
+place, for mamba_minimal.py's engine.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
@@ -174,42 +175,27 @@ def _combine(first, then):
 # need not be a power of two: an odd last element sits out that level's up-sweep and is finished
 # by the down-sweep like any other left element.
 #
-# The same tree runs backwards in time for the backward pass (section 8). In both directions
-# the multipliers `w` are a[:, 1:], those of every element except the first in scan order:
-#   forward:  h_t = a_t * h_{t-1} + b_t,          element t takes w[t-1] = a_t   (0 takes none)
-#   reverse:  g_t = a_{t+1} * g_{t+1} + grad_t,   element t takes w[t] = a_{t+1} (L-1 takes none)
+# The multipliers `w` are a[:, 1:]: element t takes w[t-1] = a_t, element 0 none (h0 is folded
+# into its b-part already, section 3).
 
-def _brent_kung_(x, w, reverse=False):
+def _brent_kung_(x, w):
     """The up-sweep and the down-sweep: scan x in place along dim 1 and return it.
     x: (batch, n, *rest), any strides; w: (batch, n-1, *rest)."""
     n = x.shape[1]
     if n < 2:
         return x
-    p = n // 2  # number of pairs at this level
-    if not reverse:
-        # pairs (0,1), (2,3), ...; the right element receives, an odd last element sits out
-        give, recv = x[:, 0 : 2 * p : 2], x[:, 1 : 2 * p : 2]  # (batch, p, *rest)
-        w_recv = w[:, 0 : 2 * p : 2]  # (batch, p, *rest)   multipliers of elements 1, 3, 5, ...
-        w_give = w[:, 1 : 2 * p - 1 : 2]  # (batch, p-1, *rest) of elements 2, 4, ... (0 has none)
-        recv.addcmul_(w_recv, give)  # up-sweep: right = w_right * left + right
-        w_up = w_recv[:, 1:] * w_give  # (batch, p-1, *rest) a-part of pairs 1.. (pair 0 leads)
-        _brent_kung_(recv, w_up, reverse)  # the pairs' right elements now hold full prefixes
-        # down-sweep: elements 2, 4, ... take the finished prefix of the element before them
-        x[:, 2:n:2].addcmul_(w[:, 1 : n - 1 : 2], x[:, 1 : n - 1 : 2])
-    else:
-        # the mirror image: pairs aligned at the end, the left element receives, an odd element
-        # 0 sits out. For n = 5 (off = 1): 1 <- 2 and 3 <- 4 up, the recursion on 1 and 3, then
-        # 0 <- 1 and 2 <- 3 down
-        off = n - 2 * p
-        recv, give = x[:, off:n:2], x[:, off + 1 : n : 2]  # (batch, p, *rest)
-        w_recv = w[:, off : n - 1 : 2]  # (batch, p, *rest)
-        w_give = w[:, off + 1 : n - 1 : 2]  # (batch, p-1, *rest) (element n-1 has none)
-        recv.addcmul_(w_recv, give)
-        w_up = w_recv[:, :-1] * w_give  # (batch, p-1, *rest) (the last pair leads)
-        _brent_kung_(recv, w_up, reverse)
-        x[:, 1 - off : n - 1 : 2].addcmul_(w[:, 1 - off : n - 1 : 2], x[:, 2 - off : n : 2])
+    # For n = 7 (p = 3): left 0, 2, 4; right 1, 3, 5; element 6 sits out; w_right = a_1, a_3, a_5;
+    # w_left = a_2, a_4; the recursion on elements 1, 3, 5; the down-sweep 2 <- 1, 4 <- 3, 6 <- 5
+    p = n // 2  # number of pairs at this level: (0,1), (2,3), ...; an odd last element sits out
+    left, right = x[:, 0 : 2 * p : 2], x[:, 1 : 2 * p : 2]  # (batch, p, *rest) elements 0, 2, ... and 1, 3, ...
+    w_right = w[:, 0 : 2 * p : 2]  # (batch, p, *rest)   multipliers of elements 1, 3, 5, ...
+    w_left = w[:, 1 : 2 * p - 1 : 2]  # (batch, p-1, *rest) of elements 2, 4, ... (0 has none)
+    right.addcmul_(w_right, left)  # up-sweep: right = w_right * left + right, the pair's block
+    w_pairs = w_right[:, 1:] * w_left  # (batch, p-1, *rest) a-part of pairs 1, 2, ... (pair 0 leads)
+    _brent_kung_(right, w_pairs)  # the same on the pairs: every right element now holds its prefix
+    # down-sweep: elements 2, 4, ... combine the finished prefix of the element before them
+    x[:, 2:n:2].addcmul_(w[:, 1 : n - 1 : 2], x[:, 1 : n - 1 : 2])
     return x
-
 
 
 # ------------------------------------------------------------------------------------------------
@@ -228,10 +214,8 @@ def _brent_kung_(x, w, reverse=False):
 #
 # Half the tree's levels, for about (log2(L) - 1)/2 times its work (4.5x at L = 1024, section 4).
 
-def _hillis_steele(x, w, reverse=False):
+def _hillis_steele(x, w):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
-    if reverse:  # the same scan on the time-reversed sequence (section 8)
-        return _hillis_steele(x.flip(1), w.flip(1)).flip(1)
     n = x.shape[1]
     m, d = w, 1  # m[:, j]: a-part of the d steps that end at element j + d
     while d < n:  # a new tensor per level: element t reads its partner from before the level
@@ -279,10 +263,8 @@ def scan_hillis_steele(a, b, h0=None):
 # Hillis-Steele and the two-level scan are here to teach and to count: on the CPUs of RESULTS.md
 # both are slower than pscan (`python bench.py scan`).
 
-def _two_level(x, w, reverse=False, chunk_size=64):
+def _two_level(x, w, chunk_size=64):
     """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
-    if reverse:
-        return _two_level(x.flip(1), w.flip(1), False, chunk_size).flip(1)
     batch, n, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
     T = min(chunk_size, n)  # a short sequence is one chunk of its own length
     K = -(-n // T)  # number of chunks
@@ -324,13 +306,20 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #
 #     dLoss/db_t = g_t,     dLoss/da_t = g_t * h_{t-1},     dLoss/dh0 = a_0 * g_0
 #
-# So the backward needs only a and h, and runs the same scan backwards.
+# So the backward needs only a and h. Read backwards in time, the recurrence for g is a forward
+# one: element j of the flipped sequence is step L-1-j, whose multiplier a_{L-j} is element j-1
+# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies; the tree has a mirror
+# image that scans backwards in place instead (appendix G), which saves two of the copies.
 
 def _backward(ctx, a, h, h0, grad_h):
-    """The three formulas above, with the forward's scan run in reverse. -> grad_a, grad_b, grad_h0"""
+    """The three formulas above, g by the forward's scan on the time-reversed sequence.
+    -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
-    g = grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
-    g = ctx.scan(g, a[:, 1:].to(dtype), True, *ctx.extra)  # g_t = grad_t + a_{t+1} * g_{t+1}
+    if ctx.scan is _brent_kung_:  # g_t = grad_t + a_{t+1} * g_{t+1}, (batch, L, *rest), in place
+        g = _brent_kung_reverse_(grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True),
+                                 a[:, 1:].to(dtype))
+    else:  # the same, by any other scan: flip copies, so the scan may also work in place
+        g = ctx.scan(grad_h.to(dtype).flip(1), a[:, 1:].to(dtype).flip(1), *ctx.extra).flip(1)
     grad_a = grad_h0 = None
     if ctx.needs_input_grad[0]:
         grad_a = torch.empty_like(g)  # (batch, L, *rest)
@@ -344,17 +333,18 @@ def _backward(ctx, a, h, h0, grad_h):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """A scan with the backward above: scan(x, w, reverse, *extra) is one of the scans above, extra
-    a tuple of its further arguments. h comes back in the accumulation dtype. Static methods, the
-    scan an argument: the form that torch.compile traces. Appendix A: second derivatives (the
-    backward's create_graph branch) and forward mode."""
+    """A scan with the backward above: scan(x, w, *extra) is one of the scans above, extra a tuple
+    of its further arguments. h comes back in the accumulation dtype. forward takes no ctx;
+    setup_context receives forward's inputs and output and saves what backward reads: the form
+    (torch >= 2.0) that torch.compile traces. Appendix A: second derivatives (the backward's
+    create_graph branch) and forward mode."""
 
     @staticmethod
     def forward(a, b, h0, dtype, scan, extra):
         h = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
         if h0 is not None:
             h[:, 0].addcmul_(a[:, 0].to(dtype), h0.to(dtype))  # fold h0 into the first step
-        return scan(h, a[:, 1:].to(dtype), False, *extra)
+        return scan(h, a[:, 1:].to(dtype), *extra)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -379,7 +369,7 @@ def _run(scan, a, b, h0, dtype, extra=()):
 
 def pscan(a, b, h0=None):
     """Blelloch's work-efficient scan, up-sweep and down-sweep (section 5; inclusive, as Brent-Kung's
-    tree), with the reverse-scan backward. Same contract as scan_sequential."""
+    tree), with section 8's backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
     return _run(_brent_kung_, a, b, h0, dtype).to(a.dtype)
 
@@ -481,12 +471,9 @@ class _ScanWithJvp(_ScanFunction):
 # eagerly, as below, both modes run torch's generic algorithm, a tree of batched combines
 # (torch 2.13 routes "pointwise" through Dynamo with its eager backend, which compiles nothing). A
 # torch without that argument gets a RuntimeError; requirements.txt asks for torch >= 2.6. The
-# scan runs without autograd, and section 8's backward, which needs only a and h, serves it,
-# with the Brent-Kung tree running the reverse scan.
+# scan runs without autograd, and section 8's backward, which needs only a and h, serves it.
 
-def _associative(x, w, reverse=False):
-    if reverse:
-        return _brent_kung_(x, w, True)
+def _associative(x, w):
     try:
         from torch._higher_order_ops import associative_scan
     except ImportError as err:
@@ -510,7 +497,7 @@ def _associative(x, w, reverse=False):
 
 
 def scan_associative(a, b, h0=None):
-    """torch's associative_scan with the reverse-scan backward. Same contract as scan_sequential."""
+    """torch's associative_scan with section 8's backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
     return _run(_associative, a, b, h0, dtype).to(a.dtype)
 
@@ -692,3 +679,28 @@ def segsum(a):
     sums = a_ks.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} a_k
     causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()  # s ≤ t
     return sums.masked_fill(~causal, -torch.inf)
+
+
+# ------------------------------------------------------------------------------------------------
+# G. The tree backwards, in place
+# ------------------------------------------------------------------------------------------------
+# The reverse recurrence g_t = a_{t+1}·g_{t+1} + grad_t of section 8's backward (and of
+# mamba_minimal.py section 6's), in place, without the flipped copies: the mirror image of section
+# 5's tree, pairs aligned at the end, the left element receiving, an odd element 0 sitting out.
+# For n = 5: 1 <- 2 and 3 <- 4 up, the same on elements 1 and 3, then 0 <- 1 and 2 <- 3 down.
+
+def _brent_kung_reverse_(x, w):
+    """x_t += w[t]·x_{t+1} from the last element back, in place along dim 1; returns x.
+    x: (batch, n, *rest), any strides; w: (batch, n-1, *rest), w[t] = a_{t+1}."""
+    n = x.shape[1]
+    if n < 2:
+        return x
+    p = n // 2
+    off = n - 2 * p  # 1 if n is odd: element 0 sits out
+    left, right = x[:, off:n:2], x[:, off + 1 : n : 2]  # (batch, p, *rest)
+    w_left = w[:, off : n - 1 : 2]  # (batch, p, *rest)   multipliers of the receiving left elements
+    w_right = w[:, off + 1 : n - 1 : 2]  # (batch, p-1, *rest) (element n-1 has none)
+    left.addcmul_(w_left, right)  # up-sweep
+    _brent_kung_reverse_(left, w_left[:, :-1] * w_right)  # the pairs (the last pair leads)
+    x[:, 1 - off : n - 1 : 2].addcmul_(w[:, 1 - off : n - 1 : 2], x[:, 2 - off : n : 2])  # down-sweep
+    return x

@@ -545,23 +545,20 @@ def flags_given(parser, argv, args):
 
 
 def pick_device(name):
+    """--device: "auto" takes CUDA, then MPS (Apple silicon), then the CPU; a name is checked."""
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if name != "auto":
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            sys.exit(f"error: --device {name} is not a device name; expected auto, cpu, cuda, cuda:N or mps")
-        if device.type not in ("cpu", "cuda", "mps"):
-            sys.exit(f"error: --device {name}: the trainer runs on cpu, cuda or mps")
-        count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(mps)}[device.type]
-        if (device.index or 0) >= count:
-            sys.exit(f"error: --device {name}: torch finds {count} {device.type} device(s)")
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if mps:
-        return torch.device("mps")
-    return torch.device("cpu")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        sys.exit(f"error: --device {name} is not a device name; expected auto, cpu, cuda, cuda:N or mps")
+    if device.type not in ("cpu", "cuda", "mps"):
+        sys.exit(f"error: --device {name}: the trainer runs on cpu, cuda or mps")
+    count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(mps)}[device.type]
+    if (device.index or 0) >= count:
+        sys.exit(f"error: --device {name}: torch finds {count} {device.type} device(s)")
+    return device
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
