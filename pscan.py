@@ -12,8 +12,8 @@ Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the comb
 and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan (a
 first reading can skip both), 8 the backward, 9 scan(), the entry point. The appendix is the
 engine: A second derivatives, jvp, vmap; B torch's associative_scan; C how "auto" chooses; D
-counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3; G the reverse tree in
-place, for mamba_minimal.py's engine.
+counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3; G the tree backwards
+in place, for mamba_minimal.py's engine.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
@@ -308,18 +308,14 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #
 # So the backward needs only a and h. Read backwards in time, the recurrence for g is a forward
 # one: element j of the flipped sequence is step L-1-j, whose multiplier a_{L-j} is element j-1
-# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies; the tree has a mirror
-# image that scans backwards in place instead (appendix G), which saves two of the copies.
+# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies.
 
 def _backward(ctx, a, h, h0, grad_h):
     """The three formulas above, g by the forward's scan on the time-reversed sequence.
     -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
-    if ctx.scan is _brent_kung_:  # g_t = grad_t + a_{t+1} * g_{t+1}, (batch, L, *rest), in place
-        g = _brent_kung_reverse_(grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True),
-                                 a[:, 1:].to(dtype))
-    else:  # the same, by any other scan: flip copies, so the scan may also work in place
-        g = ctx.scan(grad_h.to(dtype).flip(1), a[:, 1:].to(dtype).flip(1), *ctx.extra).flip(1)
+    # g_t = grad_t + a_{t+1} * g_{t+1}: (batch, L, *rest); flip copies, so the scan may work in place
+    g = ctx.scan(grad_h.to(dtype).flip(1), a[:, 1:].to(dtype).flip(1), *ctx.extra).flip(1)
     grad_a = grad_h0 = None
     if ctx.needs_input_grad[0]:
         grad_a = torch.empty_like(g)  # (batch, L, *rest)
@@ -684,10 +680,12 @@ def segsum(a):
 # ------------------------------------------------------------------------------------------------
 # G. The tree backwards, in place
 # ------------------------------------------------------------------------------------------------
-# The reverse recurrence g_t = a_{t+1}·g_{t+1} + grad_t of section 8's backward (and of
-# mamba_minimal.py section 6's), in place, without the flipped copies: the mirror image of section
-# 5's tree, pairs aligned at the end, the left element receiving, an odd element 0 sitting out.
-# For n = 5: 1 <- 2 and 3 <- 4 up, the same on elements 1 and 3, then 0 <- 1 and 2 <- 3 down.
+# Section 8's reverse recurrence g_t = a_{t+1}·g_{t+1} + grad_t without its flipped copies, for
+# mamba_minimal.py section 6, whose CPU backward scans a buffer of its own in place: the mirror
+# image of section 5's tree, pairs aligned at the end, the left element receiving, an odd element
+# 0 sitting out. For n = 5: 1 <- 2 and 3 <- 4 up, the same on elements 1 and 3, then 0 <- 1 and
+# 2 <- 3 down; for n = 4: 0 <- 1 and 2 <- 3 up, the same on elements 0 and 2, then 1 <- 2 down.
+# test_scan.py checks it against a float64 loop.
 
 def _brent_kung_reverse_(x, w):
     """x_t += w[t]·x_{t+1} from the last element back, in place along dim 1; returns x.

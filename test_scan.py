@@ -430,3 +430,19 @@ def test_a_plain_backward_takes_the_lean_path(monkeypatch):
     assert calls == []
     torch.autograd.grad(ps.pscan(a, b).pow(2).sum(), a, create_graph=True)
     assert calls == [1]  # and the recorded one for a second derivative
+
+
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 8, 13, 64, 100])
+def test_the_tree_backwards_in_place_is_the_reverse_recurrence(L):
+    # appendix G, which mamba_minimal.py's engine runs: g_t = a_{t+1}·g_{t+1} + x_t from the end,
+    # in place on a strided view, against the float64 loop run on the time-reversed sequence
+    a, x, _ = make_inputs(2, L, (3,))
+    a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)  # a_{t+1}, none after the last
+    want = reference(a_next.flip(1), x.flip(1)).flip(1)
+    buffer = torch.zeros(2, L, 3, 2, dtype=torch.float64)
+    g = buffer[..., 0]  # a view with strides (6L, 6, 2): the engine scans its own strided buffers
+    g.copy_(x)
+    out = ps._brent_kung_reverse_(g, a[:, 1:])
+    assert out.data_ptr() == buffer.data_ptr()  # in place
+    torch.testing.assert_close(buffer[..., 0], want, rtol=1e-12, atol=1e-12)
+    assert (buffer[..., 1] == 0).all()  # nothing written outside the view
