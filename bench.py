@@ -35,6 +35,7 @@ one subprocess per case, so it is Linux only.
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -1851,16 +1852,37 @@ READING_PARTS = (  # (label, file, first line's pattern or None for line 1, the 
 READING_OFF_PATH = (
     ("pscan.py §6-7 (optional)", "pscan.py", r"# 6\. The Hillis", r"# 8\. The backward"),
     ("mamba_minimal.py §6", "mamba_minimal.py", r"# 6\. Making it fast", r"# 7\. Loading"),
+    ("mamba2_minimal.py", "mamba2_minimal.py", None, None),
+    ("mamba3_minimal.py §1-3", "mamba3_minimal.py", None, r"# 4\. The model"),
 )
 
 
 def reading_counts(path, first=1, last=None):
     """Lines first..last (1-based, inclusive) of a Python file -> (code lines, prose words)."""
-    import io
+    lines, code, doc, comment, trailing = _line_classes(path)
+    last = last or len(lines)
+    words = 0
+    for r in range(first, last + 1):
+        if r in doc or (r in comment and r not in code):
+            text = lines[r - 1].strip().lstrip("#").strip().strip('"').strip()
+            if not re.fullmatch(r"[-=]+", text):  # a banner's rule is not prose
+                words += len(text.split())
+        words += trailing.get(r, 0)
+    return sum(1 for r in range(first, last + 1) if r in code), words
+
+
+_LINE_CLASSES = {}
+
+
+def _line_classes(path):
+    """(lines, code rows, docstring rows, comment rows, {row: words of its trailing comment}) of a file,
+    by Python's tokenizer; kept per path and modification time."""
     import tokenize
+    key = (os.path.abspath(path), os.path.getmtime(path))
+    if key in _LINE_CLASSES:
+        return _LINE_CLASSES[key]
     src = open(path, encoding="utf-8").read()
     lines = src.splitlines()
-    last = last or len(lines)
     code, doc, comment, trailing = set(), set(), set(), {}
     tokens = list(tokenize.generate_tokens(io.StringIO(src).readline))
     layout = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER, tokenize.ENCODING)
@@ -1880,24 +1902,85 @@ def reading_counts(path, first=1, last=None):
         elif t.type not in layout:
             code.update(rows)
     code -= doc
-    words = 0
-    for r in range(first, last + 1):
-        if r in doc or (r in comment and r not in code):
-            text = lines[r - 1].strip().lstrip("#").strip().strip('"').strip()
-            if not re.fullmatch(r"[-=]+", text):  # a banner's rule is not prose
-                words += len(text.split())
-        words += trailing.get(r, 0)
-    return sum(1 for r in range(first, last + 1) if r in code), words
+    _LINE_CLASSES[key] = lines, code, doc, comment, trailing
+    return _LINE_CLASSES[key]
+
+
+def part_lines(path, start, stop):
+    """(first, last) line, 1-based and inclusive, of the part of path that starts at the line matching
+    start (line 1 if None; the banner's rule above a heading included) and ends before the line
+    matching stop (the file's end if None)."""
+    lines = open(path, encoding="utf-8").read().splitlines()
+    find = lambda pattern: next(i for i, line in enumerate(lines, 1) if re.match(pattern, line))
+    first = 1 if start is None else find(start) - 1
+    last = len(lines) if stop is None else find(stop) - 2
+    return first, last
+
+
+def minutes(code, words):
+    """The method's (fast, slow) minutes: prose at 150 words a minute, code at 20 and at 15 lines."""
+    return words / 150 + code / 20, words / 150 + code / 15
 
 
 def reading_minutes(path, start, stop):
-    """(code lines, prose words, minutes at 20 code lines a minute, at 15) of the part of path that
-    starts at the line matching start (line 1 if None) and ends before the line matching stop."""
-    lines = open(path, encoding="utf-8").read().splitlines()
-    find = lambda pattern: next(i for i, line in enumerate(lines, 1) if re.match(pattern, line))
-    first = 1 if start is None else find(start) - 1  # the banner's rule above the heading
-    code, words = reading_counts(path, first, find(stop) - 2)
-    return code, words, words / 150 + code / 20, words / 150 + code / 15
+    """(code lines, prose words, minutes fast, minutes slow) of the part of path from start to stop
+    (part_lines)."""
+    code, words = reading_counts(path, *part_lines(path, start, stop))
+    return (code, words) + minutes(code, words)
+
+
+def functions_run(argv):
+    """{(file name, first line of its code)} of every function of this folder's Python files that
+    train_shakespeare.main(argv) runs, as sys.setprofile sees the calls (autograd runs a CPU
+    backward in the calling thread, so the hand-written backwards are seen too)."""
+    import train_shakespeare as ts
+    here = os.path.dirname(os.path.abspath(__file__))
+    seen = set()
+
+    def note(frame, event, arg):
+        file = frame.f_code.co_filename
+        if event == "call" and file.endswith(".py") and os.path.dirname(os.path.abspath(file)) == here:
+            seen.add((os.path.basename(file), frame.f_code.co_firstlineno))
+
+    before = sys.getprofile()
+    sys.setprofile(note)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # the run's log and sample
+            ts.main(argv)
+    finally:
+        sys.setprofile(before)
+    return seen
+
+
+def function_spans(path):
+    """{first line of a function's code object (its first decorator's, else its def's): (that line,
+    its last line)} of every function and method in path."""
+    import ast
+    spans = {}
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            spans[first] = (first, node.end_lineno)
+    return spans
+
+
+def followed_off_path(seen):
+    """{file: (functions, code lines, prose words)} of the functions in seen that lie outside the
+    reading path (READING_PARTS), a function nested in another one counted with it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path_parts = {}
+    for _, name, start, stop in READING_PARTS:
+        path_parts.setdefault(name, []).append(part_lines(os.path.join(here, name), start, stop))
+    out = {}
+    for name in sorted({n for n, _ in seen}):
+        spans = function_spans(os.path.join(here, name))
+        off = [spans[line] for n, line in seen if n == name and line in spans  # lambdas, comprehensions: their function
+               and not any(a <= line <= b for a, b in path_parts.get(name, []))]
+        outer = [s for s in off if not any(o != s and o[0] <= s[0] and s[1] <= o[1] for o in off)]
+        counts = [reading_counts(os.path.join(here, name), a, b) for a, b in outer]
+        if outer:
+            out[name] = (len(outer), sum(c for c, _ in counts), sum(w for _, w in counts))
+    return out
 
 
 def readme_minutes(path="README.md"):
@@ -1915,11 +1998,13 @@ def readme_minutes(path="README.md"):
 
 
 def bench_reading(args, device):
-    """The reading path's minutes by the README's method, part by part, and two parts off the path."""
+    """The reading path's minutes by the README's method, part by part, and parts off the path; then
+    the code outside the path that a training run calls, which a reader who follows every call
+    also reads, by the same method."""
     here = os.path.dirname(os.path.abspath(__file__))
-    code, words, minutes = readme_minutes(os.path.join(here, "README.md"))
-    rows = [["README.md", code, words, f"{minutes:.1f}", f"{minutes:.1f}"]]
-    low = high = minutes
+    code, words, readme = readme_minutes(os.path.join(here, "README.md"))
+    rows = [["README.md", code, words, f"{readme:.1f}", f"{readme:.1f}"]]
+    low = high = readme
     for label, name, start, stop in READING_PARTS:
         code, words, fast, slow = reading_minutes(os.path.join(here, name), start, stop)
         rows.append([label, code, words, f"{fast:.1f}", f"{slow:.1f}"])
@@ -1931,6 +2016,34 @@ def bench_reading(args, device):
     table("Reading time by the README's method: prose 150 words a minute (the README's 200), code 15-20 lines "
           "a minute (the README's code blocks 30)", ["part", "code lines", "prose words", "minutes, fast", "minutes, slow"],
           rows)
+    followed_table(low, high, args.quick)
+
+
+def followed_table(low, high, quick=False):
+    """Run the README's training command for a few seconds (on a text made of the README) with the
+    reference switch and without it, and time by the method the functions outside the path that
+    each run calls: what a reader who follows every call reads on top of the path."""
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as tmp:
+        text = os.path.join(tmp, "text.txt")
+        with open(text, "w", encoding="utf-8") as f:
+            f.write(open(os.path.join(here, "README.md"), encoding="utf-8").read() * 3)
+        rows = []
+        for label, flags in (("--scan-backend reference", ["--scan-backend", "reference"]), ("the default", [])):
+            seen = functions_run(["--data", text, "--out-dir", os.path.join(tmp, label[:3]), "--max-time",
+                                  "1" if quick else "3", "--device", "cpu"] + flags)
+            per_file = followed_off_path(seen)
+            for name, (n, code, words) in per_file.items():
+                fast, slow = minutes(code, words)
+                rows.append([label, name, n, code, words, f"{fast:.1f}", f"{slow:.1f}"])
+            code = sum(c for _, c, _ in per_file.values())
+            words = sum(w for _, _, w in per_file.values())
+            fast, slow = minutes(code, words)
+            rows.append([label, "the path and what it calls", "", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
+    table("Following every call: the functions outside the path that `python train_shakespeare.py` runs "
+          "(a training run of seconds, then its sample), by the same method",
+          ["run", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
 
 
 def main(argv=None):

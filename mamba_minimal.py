@@ -245,7 +245,7 @@ def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
         state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
     else:
         state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
-    if seq_idx is not None:
+    if seq_idx is not None:  # §8
         seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
         state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
     return state.to(dtype).clone(memory_format=torch.contiguous_format)
@@ -319,9 +319,9 @@ class MambaMixer(nn.Module):
         width = self.conv1d.kernel_size[0]  # d_conv (section 9's attention layers borrow this method)
         if conv_state is None:
             x_pad = F.pad(x, (0, 0, width - 1, 0))  # (b, d_conv-1+L, ED) zeros before the first token
-        else:  # the buffer's last d_conv-1 inputs: the conv needs no more before the first new token
+        else:  # §8: the buffer's last d_conv-1 inputs: the conv needs no more before the first new token
             x_pad = torch.cat([conv_state[..., 1:].transpose(1, 2).to(x.dtype), x], dim=1)  # (b, d_conv-1+L, ED)
-        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # (b, L, d_conv), section 8
+        keep = None if seq_idx is None else conv_keep(seq_idx, width, x.dtype)  # §8: (b, L, d_conv)
         w = self.conv1d.weight[:, 0, :]  # (ED, d_conv)
         if self.cfg.scan_backend == "reference":  # shifted_sum as written, differentiated by autograd
             return shifted_sum(x_pad, w, self.conv1d.bias, keep)
@@ -339,15 +339,15 @@ class MambaMixer(nn.Module):
         """hidden: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's cache
         (section 5). cache, seq_idx, attention_mask (b, L): section 8's options, None in training."""
         cfg = self.cfg
-        conv_state, h0 = (None, None) if cache is None else cache
+        conv_state, h0 = (None, None) if cache is None else cache  # §8
         x_in, z = self.in_proj(hidden).chunk(2, dim=-1)  # (b, L, ED) each
-        if attention_mask is not None:  # left padding: zeros into the conv ...
+        if attention_mask is not None:  # §8, left padding: zeros into the conv ...
             x_in = x_in * attention_mask[..., None]
         x = F.silu(self.causal_conv(x_in, conv_state, seq_idx))  # (b, L, ED)
         delta, B, C = self._ssm_inputs(x)  # (b, L, ED), (b, L, N), (b, L, N)
-        if attention_mask is not None:  # ... and identity steps: Δ = 0 gives dA = 1, dBx = 0
+        if attention_mask is not None:  # §8 ... and identity steps: Δ = 0 gives dA = 1, dBx = 0
             delta = delta * attention_mask[..., None]
-        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # (b, L) new documents
+        reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # §8: (b, L) new documents
         if cfg.scan_backend == "reference":  # section 2 as written; autograd, and pscan.py §8's backward
             y, h_last = selective_scan_reference(x, delta, self.A, B, C, self.D, z, h0, reset=reset)
             y = y.to(x.dtype)  # (b, L, ED)
@@ -481,12 +481,12 @@ class MambaLM(nn.Module):
         torch.func.vmap, only their shapes are checked, not their values."""
         # the appendix: the inputs checked, and the keyword arguments every layer takes ({} in training)
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
-        if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # a piece of a packed row
-            use["seq_idx"], cache = piece_of_packed_row(use["seq_idx"], cache)  # section 8
+        if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # §8: a piece of a packed row
+            use["seq_idx"], cache = piece_of_packed_row(use["seq_idx"], cache)
         hidden = self.backbone.embedding(input_ids)  # (b, L, d_model)
         new_cache = []
         for i, layer in enumerate(self.backbone.layers):
-            layer_use = dict(use, cache=cache[i]) if cache is not None else use
+            layer_use = dict(use, cache=cache[i]) if cache is not None else use  # §8
             if want_cache:
                 hidden, layer_cache = layer(hidden, want_cache=True, **layer_use)
                 new_cache.append(layer_cache)
@@ -2160,7 +2160,10 @@ def _check_config(cfg):
     if cfg.dt_init not in ("random", "constant"):
         raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {cfg.dt_init!r}")
     _check_dt_init(cfg)
-    _check_hybrid_fields(cfg)
+    hybrid = not (type(cfg.d_intermediate) is int and cfg.d_intermediate == 0 and cfg.attn_layer_idx == []
+                  and cfg.attn_cfg == {} and cfg.rms_norm is True)
+    if hybrid:  # section 9's fields, set: a Mamba-only model leaves them at their defaults
+        _check_hybrid_fields(cfg)
     if not isinstance(cfg.selection_off, bool):
         raise ValueError(f"MambaConfig.selection_off must be True or False, got {cfg.selection_off!r}")
 

@@ -172,8 +172,7 @@ def _combine(first, then):
 # price of the short depth.
 #
 # Each level recurses on the right elements of its pairs (a view with twice the stride), so L
-# need not be a power of two: an odd last element sits out that level's up-sweep and is finished
-# by the down-sweep like any other left element.
+# need not be a power of two: an odd last element sits out the level's up-sweep (n = 7 below).
 #
 # The multipliers `w` are a[:, 1:]: element t takes w[t-1] = a_t, element 0 none (h0 is folded
 # into its b-part already, section 3).
@@ -308,14 +307,19 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #
 # So the backward needs only a and h. Read backwards in time, the recurrence for g is a forward
 # one: element j of the flipped sequence is step L-1-j, whose multiplier a_{L-j} is element j-1
-# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies.
+# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies. Section 5's tree runs
+# it as its mirror image instead, in place (appendix G draws it): the same g, with two copies of the
+# sequence fewer, in time and in memory; test_scan.py checks both against a float64 loop.
 
 def _backward(ctx, a, h, h0, grad_h):
     """The three formulas above, g by the forward's scan on the time-reversed sequence.
     -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
-    # g_t = grad_t + a_{t+1} * g_{t+1}: (batch, L, *rest); flip copies, so the scan may work in place
-    g = ctx.scan(grad_h.to(dtype).flip(1), a[:, 1:].to(dtype).flip(1), *ctx.extra).flip(1)
+    if ctx.scan is _brent_kung_:  # g_t = grad_t + a_{t+1} * g_{t+1}, (batch, L, *rest), in place (appendix G)
+        g = _brent_kung_reverse_(grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True),
+                                 a[:, 1:].to(dtype))
+    else:  # the same g by any other scan, on flipped copies
+        g = ctx.scan(grad_h.to(dtype).flip(1), a[:, 1:].to(dtype).flip(1), *ctx.extra).flip(1)
     grad_a = grad_h0 = None
     if ctx.needs_input_grad[0]:
         grad_a = torch.empty_like(g)  # (batch, L, *rest)
@@ -332,8 +336,8 @@ class _ScanFunction(torch.autograd.Function):
     """A scan with the backward above: scan(x, w, *extra) is one of the scans above, extra a tuple
     of its further arguments. h comes back in the accumulation dtype. forward takes no ctx;
     setup_context receives forward's inputs and output and saves what backward reads: the form
-    (torch >= 2.0) that torch.compile traces. Appendix A: second derivatives (the backward's
-    create_graph branch) and forward mode."""
+    (torch >= 2.0) that torch.func's transforms (vmap, grad, jvp) require. Appendix A: second
+    derivatives (the backward's create_graph branch) and forward mode."""
 
     @staticmethod
     def forward(a, b, h0, dtype, scan, extra):
@@ -357,8 +361,8 @@ class _ScanFunction(torch.autograd.Function):
 
 def _run(scan, a, b, h0, dtype, extra=()):
     """h from the Function above with the given scan. Eager code runs appendix A's subclass of it,
-    _ScanWithJvp: the same forward and backward, plus forward mode (jvp), which torch.compile cannot
-    trace, and vmap; code being compiled runs _ScanFunction itself."""
+    _ScanWithJvp, which runs this forward and backward unchanged and only adds forward mode (jvp)
+    and vmap; torch.compile cannot trace a Function with a jvp, so compiled code runs _ScanFunction."""
     function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
     return function.apply(a, b, h0, dtype, scan, extra)
 
@@ -680,12 +684,23 @@ def segsum(a):
 # ------------------------------------------------------------------------------------------------
 # G. The tree backwards, in place
 # ------------------------------------------------------------------------------------------------
-# Section 8's reverse recurrence g_t = a_{t+1}·g_{t+1} + grad_t without its flipped copies, for
-# mamba_minimal.py section 6, whose CPU backward scans a buffer of its own in place: the mirror
-# image of section 5's tree, pairs aligned at the end, the left element receiving, an odd element
-# 0 sitting out. For n = 5: 1 <- 2 and 3 <- 4 up, the same on elements 1 and 3, then 0 <- 1 and
-# 2 <- 3 down; for n = 4: 0 <- 1 and 2 <- 3 up, the same on elements 0 and 2, then 1 <- 2 down.
-# test_scan.py checks it against a float64 loop.
+# Section 8's reverse recurrence g_t = a_{t+1}·g_{t+1} + grad_t without flipped copies, for pscan's
+# backward and for mamba_minimal.py section 6, whose CPU backward scans a buffer of its own in place.
+# It is section 5's tree seen in a mirror: time runs from the last element to the first, so the
+# pairs are aligned at the end, the left element of a pair receives from the right one, and when n
+# is odd element 0 sits out (off = 1). Element t's multiplier is w[t] = a_{t+1}. For L = 8, as in
+# section 5's drawing read right to left:
+#
+#   t:        0      1      2      3      4      5      6      7
+#   up 0      ├──────┘      ├──────┘      ├──────┘      ├──────┘       0 <- 1, 2 <- 3, 4 <- 5, 6 <- 7
+#   up 1      ├─────────────┘             ├─────────────┘              the same on 0, 2, 4, 6
+#   up 2      ├───────────────────────────┘                            and on 0, 4
+#   down 1                  ├─────────────┘                            2 <- 4
+#   down 0           ├──────┘      ├──────┘      ├──────┘              1 <- 2, 3 <- 4, 5 <- 6
+#
+# For n = 7 (off = 1, p = 3): left 1, 3, 5 receive from right 2, 4, 6 (w_left = a_2, a_4, a_6;
+# w_right = a_3, a_5); the recursion on 1, 3, 5; down 0 <- 1, 2 <- 3, 4 <- 5. test_scan.py checks it
+# against a float64 loop.
 
 def _brent_kung_reverse_(x, w):
     """x_t += w[t]·x_{t+1} from the last element back, in place along dim 1; returns x.

@@ -12,6 +12,7 @@ import torch
 
 import bench
 import mamba_minimal as mm
+import train_shakespeare as ts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -280,3 +281,34 @@ def test_bench_reading_prints_the_path_the_readme_times(capsys):
     low, high = float(total.group(1)), float(total.group(2))
     claimed = re.search(r"reads in about (\d+)-(\d+) minutes", open(os.path.join(HERE, "README.md")).read())
     assert round(low) == int(claimed.group(1)) and round(high) == int(claimed.group(2))
+
+
+def test_following_the_calls_counts_each_function_off_the_path_once():
+    first = lambda f: f.__code__.co_firstlineno
+    inside = ("pscan.py", first(bench.ps._check_inputs))  # appendix E: off the path
+    on_path = ("pscan.py", first(bench.ps._brent_kung_))  # section 5: on the path, not counted again
+    nowhere = ("bench.py", 0)  # no function starts at line 0 (a lambda's line, say): ignored
+    counted = bench.followed_off_path({inside, on_path, nowhere})
+    span = bench.function_spans(os.path.join(HERE, "pscan.py"))[inside[1]]
+    assert counted == {"pscan.py": (1,) + bench.reading_counts(os.path.join(HERE, "pscan.py"), *span)}
+    # a function defined inside another off-path one is read with it, not twice
+    need = next(c for c in ts.check_numbers.__code__.co_consts if hasattr(c, "co_firstlineno"))  # nested
+    both = {("train_shakespeare.py", first(ts.check_numbers)), ("train_shakespeare.py", need.co_firstlineno)}
+    assert bench.followed_off_path(both)["train_shakespeare.py"][0] == 1
+
+
+def test_the_reference_switch_runs_no_engine_code_and_the_default_does(tmp_path):
+    # what a reader following every call opens, traced: with scan_backend="reference" no function of
+    # mamba_minimal.py section 6 runs (only the appendix's checks), by default its CPU backward does
+    text = tmp_path / "text.txt"
+    text.write_text(open(os.path.join(HERE, "README.md"), encoding="utf-8").read() * 3, encoding="utf-8")
+    engine = {f.__code__.co_firstlineno for f in (bench.mm._cpu_forward, bench.mm._cpu_backward,
+                                                  bench.mm.selective_scan)}
+    runs = {}
+    for name, flags in (("reference", ["--scan-backend", "reference"]), ("default", [])):
+        seen = bench.functions_run(["--data", str(text), "--out-dir", str(tmp_path / name), "--max-time", "1",
+                                    "--device", "cpu", "--no-sample"] + flags)
+        runs[name] = {line for file, line in seen if file == "mamba_minimal.py"}
+    assert not runs["reference"] & engine
+    assert engine <= runs["default"]
+    assert bench.mm.selective_scan_reference.__code__.co_firstlineno in runs["reference"]

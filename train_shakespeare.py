@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from mamba_minimal import FUSED_BACKENDS, SCAN_BACKENDS, MambaConfig, MambaLM
 
 # ------------------------------------------------------------------------------------------------
-# Settings: defaults per device and architecture, and the command line that overrides them
+# Settings: defaults per device and architecture; the flags (build_parser, in the plumbing) override them
 # ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
@@ -405,22 +405,7 @@ def read_text(path):
     if path is None:
         path = DEFAULT_DATA
         if not os.path.exists(path):
-            if RANK == 0:
-                print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                try:
-                    with urllib.request.urlopen(DATA_URL, timeout=30) as r:
-                        data = r.read()
-                except OSError as err:  # no network: data/ is git-ignored, so a copied checkout lacks the file
-                    sys.exit(f"error: could not download {DATA_URL} ({err}).\nWithout a network, copy "
-                             f"Tiny Shakespeare (or any UTF-8 text) to {os.path.abspath(path)}, or pass "
-                             f"--data PATH.")
-                tmp = path + ".part"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                os.replace(tmp, path)
-            if WORLD > 1:
-                dist.barrier()
+            download_shakespeare(path)
     if os.path.isdir(path):
         sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
     if not os.path.isfile(path):
@@ -436,6 +421,25 @@ def read_text(path):
     except UnicodeDecodeError as err:
         sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
                  f"{err.start}); convert it, e.g. with iconv -t UTF-8")
+
+
+def download_shakespeare(path):
+    if RANK == 0:
+        print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with urllib.request.urlopen(DATA_URL, timeout=30) as r:
+                data = r.read()
+        except OSError as err:  # no network: data/ is git-ignored, so a copied checkout lacks the file
+            sys.exit(f"error: could not download {DATA_URL} ({err}).\nWithout a network, copy "
+                     f"Tiny Shakespeare (or any UTF-8 text) to {os.path.abspath(path)}, or pass "
+                     f"--data PATH.")
+        tmp = path + ".part"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    if WORLD > 1:
+        dist.barrier()  # the other processes wait for the file
 
 
 # model flags that only some architectures have
@@ -872,11 +876,16 @@ class Progress:
 
 
 def start_processes(args):
-    """(ddp, device). Under torchrun: one process per GPU, process k on cuda:k (LOCAL_RANK), with
-    nccl; or gloo processes on a CPU."""
-    global RANK, WORLD
+    """(ddp, device): one process on --device's device, or under torchrun several (start_torchrun)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False, pick_device(args.device)
+    return True, start_torchrun(args)
+
+
+def start_torchrun(args):
+    """This process's device under torchrun: one process per GPU, process k on cuda:k (LOCAL_RANK),
+    with nccl; or gloo processes on a CPU."""
+    global RANK, WORLD
     if args.device not in ("auto", "cpu", "cuda"):
         sys.exit(f"error: --device {args.device} under torchrun: each process takes the GPU of its LOCAL_RANK; "
                  f"give --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs) or --device cpu")
@@ -890,7 +899,7 @@ def start_processes(args):
                      f"device(s): run at most {count} process(es) per machine, or give --device cpu")
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    return True, torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+    return torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
 
 
 def read_last_checkpoint(args):
