@@ -323,7 +323,8 @@ def _backward(ctx, a, h, h0, grad_h):
     grad_a = grad_h0 = None
     if ctx.needs_input_grad[0]:
         grad_a = torch.empty_like(g)  # (batch, L, *rest)
-        grad_a[:, 1:] = g[:, 1:] * h[:, :-1]  # not torch.mul(out=a slice): torch.compile refuses that
+        # written in place, no temporary the size of the sequence (torch.compile refuses mul's out= on a slice)
+        grad_a[:, 1:].copy_(g[:, 1:]).mul_(h[:, :-1])
         grad_a[:, 0] = 0 if h0 is None else g[:, 0] * h0.to(dtype)
         grad_a = grad_a.to(a.dtype)
     if h0 is not None and ctx.needs_input_grad[2]:
