@@ -307,9 +307,8 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #
 # So the backward needs only a and h. Read backwards in time, the recurrence for g is a forward
 # one: element j of the flipped sequence is step L-1-j, whose multiplier a_{L-j} is element j-1
-# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies. Section 5's tree runs
-# it as its mirror image instead, in place (appendix G draws it): the same g, with two copies of the
-# sequence fewer, in time and in memory; test_scan.py checks both against a float64 loop.
+# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies; section 5's tree runs
+# it as its mirror image, in place (appendix G draws it): the same g, two copies fewer.
 
 def _backward(ctx, a, h, h0, grad_h):
     """The three formulas above, g by the forward's scan on the time-reversed sequence.
@@ -511,7 +510,7 @@ def scan_associative(a, b, h0=None):
 # backend gives the same h to rounding; only the time differs. Why these thresholds:
 #
 # Which backend is fastest depends on the device, the width of one step (batch·prod(rest)) and
-# whether a backward pass follows. With a backward pass the tree wins on a CPU (1.7x to 12x in
+# whether a backward pass follows. With a backward pass the tree wins on a CPU (1.6x to 14x in
 # `python bench.py scan` on a 2-core Intel Xeon with AVX-512), because the loop's autograd graph
 # records L small steps. Forward only, the loop reads each input once and catches up as a step
 # gets wider, on one thread only: `python bench.py crossover` (L = 1024) on that CPU found, with
