@@ -1844,12 +1844,14 @@ def check_args(p, args, tables):
 # 30 lines a minute. A part runs from a line to the line before a banner.
 
 READING_PARTS = (  # (label, file, first line's pattern or None for line 1, the pattern it stops before)
-    ("pscan.py §1-5", "pscan.py", None, r"# 6\. The Hillis"),
+    ("pscan.py §1", "pscan.py", None, r"# 2\. The convolution view"),
+    ("pscan.py §3-5", "pscan.py", r"# 3\. The combine rule", r"# 6\. The Hillis"),
     ("pscan.py §8-9", "pscan.py", r"# 8\. The backward", r"# Appendix: the engine"),
     ("mamba_minimal.py §1-5", "mamba_minimal.py", None, r"# 6\. Making it fast"),
     ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing"),
 )
 READING_OFF_PATH = (
+    ("pscan.py §2 (optional)", "pscan.py", r"# 2\. The convolution view", r"# 3\. The combine rule"),
     ("pscan.py §6-7 (optional)", "pscan.py", r"# 6\. The Hillis", r"# 8\. The backward"),
     ("mamba_minimal.py §6", "mamba_minimal.py", r"# 6\. Making it fast", r"# 7\. Loading"),
     ("mamba2_minimal.py", "mamba2_minimal.py", None, None),
@@ -1992,8 +1994,8 @@ def readme_minutes(path="README.md"):
             inside = not inside
         elif inside:
             code += 1
-        else:
-            words += len(line.split())
+        else:  # a table's pipes and rules are not words
+            words += sum(1 for w in line.split() if not re.fullmatch(r"[|:-]+", w))
     return code, words, words / 200 + code / 30
 
 
@@ -2041,8 +2043,8 @@ def followed_table(low, high, quick=False):
             words = sum(w for _, _, w in per_file.values())
             fast, slow = minutes(code, words)
             rows.append([label, "the path and what it calls", "", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
-    table("Following every call: the functions outside the path that `python train_shakespeare.py` runs "
-          "(a training run of seconds, then its sample), by the same method",
+    table("Following every call, at least: the functions outside the path that `python train_shakespeare.py` "
+          "runs on a CPU (a training run of seconds, then its sample), their bodies by the same method",
           ["run", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
 
 

@@ -34,7 +34,7 @@ Glossary. One name, one meaning; shape comments use these letters.
     B, C     the input and output matrices, one N-vector per token, shared by the channels   (b, L, N)
     D        the skip connection y += D·x, one per channel                      (ED,)
     z        the gate's input, y is multiplied by SiLU(z)                       (b, L, ED)
-    h        the state                                  (b, L, ED, N), or (b, ED, N) for one step
+    h        the state             (b, L, ED, N), or (b, ED, N) for one step (section 6's CPU form: (b, L, N, ED))
     dA, dBx  the discretized step, exp(Δ·A) and Δ·B·x:  h_t = dA_t·h_{t-1} + dBx_t   (b, L, ED, N)
 
 The recurrence h_t = a_t·h_{t-1} + b_t itself, and every way to run it, lives in pscan.py; read
@@ -308,7 +308,7 @@ class MambaMixer(nn.Module):
         cfg = self.cfg
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         # The bias is added in fp32 (the official delta_bias): next to a bias of -2 to -7 bf16's
-        # spacing is 1/64 to 1/32, a fifth to two fifths of the data-dependent part at init (std 0.07).
+        # spacing is 1/64 to 1/32, a fifth to two fifths of the data-dependent part at init (std about 0.08).
         dt_raw = _at_least_fp32(F.linear(dt_low, self.dt_proj.weight))  # (..., ED) before softplus
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
@@ -649,7 +649,7 @@ def _scan_in_place(h, dA, backend, reverse=False):
                 h_steps[t].addcmul_(dA_steps[t], h_steps[t - 1])
         return h
     if backend == "pscan" or (backend == "associative" and reverse):  # the Brent-Kung tree in place:
-        tree = pscan._brent_kung_reverse_ if reverse else pscan._brent_kung_  # pscan.py section 5, appendix G
+        tree = pscan._brent_kung_reverse_ if reverse else pscan._brent_kung_  # pscan.py sections 5 and 8
         return tree(h, dA[:, 1:])
     if not reverse:
         return pscan.scan(dA, h, None, backend)

@@ -9,11 +9,10 @@ from the token: Ā_t = exp(Δ_t·A) and B̄_t ≈ Δ_t·B_t (to first order, as 
 mamba_minimal.py §1 derives both). So a_t = Ā_t is a decay in (0, 1) (exactly 1 for a padding
 step, Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.
 Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the combine rule, 4 work
-and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan (a
-first reading can skip both), 8 the backward, 9 scan(), the entry point. The appendix is the
+and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan, 8
+the backward, 9 scan(), the entry point; a first reading can skip 2, 6 and 7. The appendix is the
 engine: A second derivatives, jvp, vmap; B torch's associative_scan; C how "auto" chooses; D
-counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3; G the tree backwards
-in place, for mamba_minimal.py's engine.
+counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
@@ -141,7 +140,7 @@ def _combine(first, then):
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. Blelloch's work-efficient scan: the up-sweep and the down-sweep
+# 5. Blelloch's work-efficient scan: the up-sweep and the down-sweep (inclusive: Brent & Kung's tree)
 # ------------------------------------------------------------------------------------------------
 # Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one multiply-add
 # over strided views, half the size of the level before. After it, the right element of every
@@ -307,14 +306,45 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #
 # So the backward needs only a and h. Read backwards in time, the recurrence for g is a forward
 # one: element j of the flipped sequence is step L-1-j, whose multiplier a_{L-j} is element j-1
-# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies; section 5's tree runs
-# it as its mirror image, in place (appendix G draws it): the same g, two copies fewer.
+# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies.
+#
+# Section 5's tree runs it in place, without the copies, seen in a mirror: time runs from the last
+# element to the first, so the pairs are aligned at the end, the left element receives, and when n
+# is odd element 0 sits out (off = 1). Element t's multiplier is w[t] = a_{t+1}. For L = 8:
+#
+#   t:        0      1      2      3      4      5      6      7
+#   up 0      ├──────┘      ├──────┘      ├──────┘      ├──────┘       0 <- 1, 2 <- 3, 4 <- 5, 6 <- 7
+#   up 1      ├─────────────┘             ├─────────────┘              the same on 0, 2, 4, 6
+#   up 2      ├───────────────────────────┘                            and on 0, 4
+#   down 1                  ├─────────────┘                            2 <- 4
+#   down 0           ├──────┘      ├──────┘      ├──────┘              1 <- 2, 3 <- 4, 5 <- 6
+#
+# For n = 7 (off = 1, p = 3): left 1, 3, 5 receive from right 2, 4, 6 (w_left = a_2, a_4, a_6;
+# w_right = a_3, a_5); the recursion on 1, 3, 5; down 0 <- 1, 2 <- 3, 4 <- 5. test_scan.py checks it
+# against a float64 loop.
+
+def _brent_kung_reverse_(x, w):
+    """x_t += w[t]·x_{t+1} from the last element back, in place along dim 1; returns x.
+    x: (batch, n, *rest), any strides; w: (batch, n-1, *rest), w[t] = a_{t+1}."""
+    n = x.shape[1]
+    if n < 2:
+        return x
+    p = n // 2
+    off = n - 2 * p  # 1 if n is odd: element 0 sits out
+    left, right = x[:, off:n:2], x[:, off + 1 : n : 2]  # (batch, p, *rest)
+    w_left = w[:, off : n - 1 : 2]  # (batch, p, *rest)   multipliers of the receiving left elements
+    w_right = w[:, off + 1 : n - 1 : 2]  # (batch, p-1, *rest) (element n-1 has none)
+    left.addcmul_(w_left, right)  # up-sweep
+    _brent_kung_reverse_(left, w_left[:, :-1] * w_right)  # the pairs (the last pair leads)
+    x[:, 1 - off : n - 1 : 2].addcmul_(w[:, 1 - off : n - 1 : 2], x[:, 2 - off : n : 2])  # down-sweep
+    return x
+
 
 def _backward(ctx, a, h, h0, grad_h):
-    """The three formulas above, g by the forward's scan on the time-reversed sequence.
-    -> grad_a, grad_b, grad_h0"""
+    """The three formulas above, g by the tree's mirror image or by the forward's scan on the
+    time-reversed sequence. -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
-    if ctx.scan is _brent_kung_:  # g_t = grad_t + a_{t+1} * g_{t+1}, (batch, L, *rest), in place (appendix G)
+    if ctx.scan is _brent_kung_:  # g_t = grad_t + a_{t+1} * g_{t+1}, (batch, L, *rest), in place
         g = _brent_kung_reverse_(grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True),
                                  a[:, 1:].to(dtype))
     else:  # the same g by any other scan, on flipped copies
@@ -362,7 +392,8 @@ class _ScanFunction(torch.autograd.Function):
 def _run(scan, a, b, h0, dtype, extra=()):
     """h from the Function above with the given scan. Eager code runs appendix A's subclass of it,
     _ScanWithJvp, which runs this forward and backward unchanged and only adds forward mode (jvp)
-    and vmap; torch.compile cannot trace a Function with a jvp, so compiled code runs _ScanFunction."""
+    and vmap, which training never uses; torch.compile cannot trace a Function with a jvp, so
+    compiled code runs _ScanFunction."""
     function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
     return function.apply(a, b, h0, dtype, scan, extra)
 
@@ -679,41 +710,3 @@ def segsum(a):
     sums = a_ks.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} a_k
     causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()  # s ≤ t
     return sums.masked_fill(~causal, -torch.inf)
-
-
-# ------------------------------------------------------------------------------------------------
-# G. The tree backwards, in place
-# ------------------------------------------------------------------------------------------------
-# Section 8's reverse recurrence g_t = a_{t+1}·g_{t+1} + grad_t without flipped copies, for pscan's
-# backward and for mamba_minimal.py section 6, whose CPU backward scans a buffer of its own in place.
-# It is section 5's tree seen in a mirror: time runs from the last element to the first, so the
-# pairs are aligned at the end, the left element of a pair receives from the right one, and when n
-# is odd element 0 sits out (off = 1). Element t's multiplier is w[t] = a_{t+1}. For L = 8, as in
-# section 5's drawing read right to left:
-#
-#   t:        0      1      2      3      4      5      6      7
-#   up 0      ├──────┘      ├──────┘      ├──────┘      ├──────┘       0 <- 1, 2 <- 3, 4 <- 5, 6 <- 7
-#   up 1      ├─────────────┘             ├─────────────┘              the same on 0, 2, 4, 6
-#   up 2      ├───────────────────────────┘                            and on 0, 4
-#   down 1                  ├─────────────┘                            2 <- 4
-#   down 0           ├──────┘      ├──────┘      ├──────┘              1 <- 2, 3 <- 4, 5 <- 6
-#
-# For n = 7 (off = 1, p = 3): left 1, 3, 5 receive from right 2, 4, 6 (w_left = a_2, a_4, a_6;
-# w_right = a_3, a_5); the recursion on 1, 3, 5; down 0 <- 1, 2 <- 3, 4 <- 5. test_scan.py checks it
-# against a float64 loop.
-
-def _brent_kung_reverse_(x, w):
-    """x_t += w[t]·x_{t+1} from the last element back, in place along dim 1; returns x.
-    x: (batch, n, *rest), any strides; w: (batch, n-1, *rest), w[t] = a_{t+1}."""
-    n = x.shape[1]
-    if n < 2:
-        return x
-    p = n // 2
-    off = n - 2 * p  # 1 if n is odd: element 0 sits out
-    left, right = x[:, off:n:2], x[:, off + 1 : n : 2]  # (batch, p, *rest)
-    w_left = w[:, off : n - 1 : 2]  # (batch, p, *rest)   multipliers of the receiving left elements
-    w_right = w[:, off + 1 : n - 1 : 2]  # (batch, p-1, *rest) (element n-1 has none)
-    left.addcmul_(w_left, right)  # up-sweep
-    _brent_kung_reverse_(left, w_left[:, :-1] * w_right)  # the pairs (the last pair leads)
-    x[:, 1 - off : n - 1 : 2].addcmul_(w[:, 1 - off : n - 1 : 2], x[:, 2 - off : n : 2])  # down-sweep
-    return x

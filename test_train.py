@@ -1369,3 +1369,16 @@ def test_a_cpu_defaults_to_bf16_for_mamba_only_with_bf16_instructions(monkeypatc
     monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch: its own check of the same flag
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
     assert ts.cpu_computes_in_bf16() is True
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2", "mamba3", "gpt"])
+def test_apple_mps_takes_the_cpu_settings_of_every_architecture(arch):
+    # --device auto picks MPS on Apple silicon; its settings are the CPU's, per architecture, and the
+    # model builds (torch.device("mps") needs no Mac to be named)
+    on_mps, on_cpu = (ts.parse_args(["--arch", arch]) for _ in range(2))
+    ts.fill_defaults(on_mps, torch.device("mps"))
+    ts.fill_defaults(on_cpu, torch.device("cpu"))
+    differs = {k for k in vars(on_cpu) if getattr(on_cpu, k) != getattr(on_mps, k)}
+    assert differs <= {"dtype"}, differs  # bf16 needs a CPU with bf16 instructions; MPS trains in fp32
+    assert on_mps.dtype == "fp32"
+    ts.build_model(arch, ts.model_kwargs(on_mps, 65))

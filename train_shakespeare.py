@@ -6,12 +6,11 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"  # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py        # data parallel (gloo on CPU, nccl on CUDA)
 
-The first part reads top to bottom in the order of nanoGPT's train.py: settings, data, models,
-learning rate, training step, evaluation, sampling, the run. What it calls from the plumbing after it
-(the flags and their checks, precision, checkpoints and resuming, compiling, logging, torchrun) says
-what it does by its name or a comment at the call; `--help` lists every flag. A run is time-based
-(--max-time, the CPU default: the learning rate, the evaluations and the stop follow the fraction of
-the budget spent) or iteration-based (--max-iters, the CUDA default).
+The first part reads in the order of nanoGPT's train.py: settings, data, models, learning rate,
+training step, evaluation, sampling, the run. Each call into the plumbing after it (flags, checks,
+precision, checkpoints, compiling, logging, torchrun) says what it does by its name or a comment. A
+run is time-based (--max-time, the CPU default: the learning rate, the evaluations and the stop follow
+the fraction of the budget spent) or iteration-based (--max-iters, the CUDA default).
 """
 
 import argparse
@@ -44,7 +43,6 @@ DEFAULTS = {
                  max_time=None, num_evals=20),
 }
 # max_time None: max_iters steps, an evaluation every eval_interval; else num_evals evaluations
-DEFAULTS["mps"] = DEFAULTS["cpu"]
 
 # What each other architecture changes in DEFAULTS, per device.
 ARCH_DEFAULTS = {
@@ -78,7 +76,8 @@ def parse_args(argv=None):
 def fill_defaults(args, device):
     """Every flag left out takes its default for the device and the architecture."""
     args.arch = args.arch or "mamba"
-    defaults = {**COMMON, **DEFAULTS[device.type], **ARCH_DEFAULTS[args.arch].get(device.type, {})}
+    kind = "cuda" if device.type == "cuda" else "cpu"  # Apple's MPS takes the CPU's settings
+    defaults = {**COMMON, **DEFAULTS[kind], **ARCH_DEFAULTS[args.arch].get(kind, {})}
     if args.max_iters is not None:
         defaults["max_time"] = None  # asking for iterations makes the run iteration-based
     for key, value in defaults.items():
@@ -98,8 +97,7 @@ def fill_defaults(args, device):
 def default_dtype(device, arch):
     """--dtype's default: bf16 where the GPU computes in it (Ampere and later), fp16 with loss scaling
     on older GPUs (T4, V100 emulate bf16, slowly); on a CPU with bf16 instructions bf16 for Mamba
-    (eight 300 s races against fp32, two on a quiet machine: a tie in loss, 7-13% more steps; see
-    --help), else fp32."""
+    (raced against fp32: a tie in loss, 7-13% more steps; see --help), else fp32."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if device.type == "cpu" and arch == "mamba" and cpu_computes_in_bf16() else "fp32"
