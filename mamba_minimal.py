@@ -348,7 +348,7 @@ class MambaMixer(nn.Module):
         if attention_mask is not None:  # §8 ... and identity steps: Δ = 0 gives dA = 1, dBx = 0
             delta = delta * attention_mask[..., None]
         reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # §8: (b, L) new documents
-        if cfg.scan_backend == "reference":  # section 2 as written; autograd, and pscan.py §8's backward
+        if cfg.scan_backend == "reference":  # section 2 as written; autograd, and pscan.py's backward
             y, h_last = selective_scan_reference(x, delta, self.A, B, C, self.D, z, h0, reset=reset)
             y = y.to(x.dtype)  # (b, L, ED)
         else:  # the same numbers by section 6's engine: a backward written by hand, or the fused path
@@ -703,7 +703,8 @@ def _cpu_forward(x, delta, A, B, C, h0, backend, reset):
 
 
 def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
-    """The CPU form's gradients of x, Δ, A, B, C, h0 (the skip and the gate aside)."""
+    """The CPU form's gradients of x, Δ, A, B, C, h0 (the skip and the gate aside); test_selective_scan.py's
+    test_forward_and_every_gradient_match_the_float64_loop checks each against a float64 loop."""
     G = grad_y.unsqueeze(-2) * C.unsqueeze(-1)  # (b, L, N, ED)  the read-out's share of G_t
     if grad_last is not None:
         G[:, -1] += grad_last.transpose(1, 2)
