@@ -5,8 +5,8 @@ official checkpoints.
 Read it top to bottom: sections 1 to 5 are the whole model. By default their scan, and the conv's
 backward, run through section 6's engine (the same numbers to rounding, 1.2-1.5 times as fast to train);
 MambaConfig(scan_backend="reference") runs sections 2 and 3's code itself: the two paths sit side
-by side in MambaMixer. Sections 1 to 5 reach later code only through options (that switch,
-compiling, loading, packed sequences, hybrid layers, the ablation) and the appendix's input checks.
+by side in MambaMixer. With that switch, sections 1 to 5 reach later code only through the
+appendix's input checks and options (compiling, loading, packed sequences, hybrid layers, the ablation).
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -477,8 +477,7 @@ class MambaLM(nn.Module):
     def forward(self, input_ids, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """input_ids: (b, L) -> logits (b, L, padded_vocab); with want_cache also the inference cache.
         cache, seq_idx, attention_mask: continuing a cache, packed sequences, left padding (section 8;
-        None in training: a first reading can skip the lines that use them). Batched by
-        torch.func.vmap, only their shapes are checked, not their values."""
+        None in training: a first reading can skip the lines that use them)."""
         # the appendix: the inputs checked, and the keyword arguments every layer takes ({} in training)
         use = _check_forward(self, input_ids, want_cache, cache, seq_idx, attention_mask)
         if seq_idx is not None and seq_idx.shape[1] == input_ids.shape[1] + 1:  # §8: a piece of a packed row
@@ -2337,7 +2336,7 @@ def _check_step_inputs(model, token_ids, cache):
 def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask):
     """forward's arguments; returns the mixers' keyword arguments, {} in training (_check_use).
     Values are read where that costs no device sync: CPU ids, or a prefill (want_cache), once per
-    prompt."""
+    prompt; batched by torch.func.vmap, only their shapes are checked."""
     _check_token_ids(input_ids)
     # not while torch.compile traces the model: a value read there would cut the graph in two; nor
     # where torch.func.vmap batches an argument: a batched tensor has no single value to read
