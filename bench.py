@@ -34,7 +34,9 @@ one subprocess per case, so it is Linux only.
 """
 
 import argparse
+import ast
 import contextlib
+import functools
 import io
 import json
 import math
@@ -46,7 +48,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import tokenize
 import weakref
 from dataclasses import fields as dataclass_fields
 
@@ -1873,16 +1877,10 @@ def reading_counts(path, first=1, last=None):
     return sum(1 for r in range(first, last + 1) if r in code), words
 
 
-_LINE_CLASSES = {}
-
-
+@functools.lru_cache(maxsize=None)  # reading_counts asks for one file's lines many times
 def _line_classes(path):
     """(lines, code rows, docstring rows, comment rows, {row: words of its trailing comment}) of a file,
-    by Python's tokenizer; kept per path and modification time."""
-    import tokenize
-    key = (os.path.abspath(path), os.path.getmtime(path))
-    if key in _LINE_CLASSES:
-        return _LINE_CLASSES[key]
+    by Python's tokenizer."""
     src = open(path, encoding="utf-8").read()
     lines = src.splitlines()
     code, doc, comment, trailing = set(), set(), set(), {}
@@ -1904,8 +1902,7 @@ def _line_classes(path):
         elif t.type not in layout:
             code.update(rows)
     code -= doc
-    _LINE_CLASSES[key] = lines, code, doc, comment, trailing
-    return _LINE_CLASSES[key]
+    return lines, code, doc, comment, trailing
 
 
 def part_lines(path, start, stop):
@@ -1957,7 +1954,6 @@ def functions_run(argv):
 def function_spans(path):
     """{first line of a function's code object (its first decorator's, else its def's): (that line,
     its last line)} of every function and method in path."""
-    import ast
     spans = {}
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -2025,7 +2021,6 @@ def followed_table(low, high, quick=False):
     """Run the README's training command for a few seconds (on a text made of the README) with the
     reference switch and without it, and time by the method the functions outside the path that
     each run calls: what a reader who follows every call reads on top of the path."""
-    import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as tmp:
         text = os.path.join(tmp, "text.txt")

@@ -2160,10 +2160,7 @@ def _check_config(cfg):
     if cfg.dt_init not in ("random", "constant"):
         raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {cfg.dt_init!r}")
     _check_dt_init(cfg)
-    hybrid = not (type(cfg.d_intermediate) is int and cfg.d_intermediate == 0 and cfg.attn_layer_idx == []
-                  and cfg.attn_cfg == {} and cfg.rms_norm is True)
-    if hybrid:  # section 9's fields, set: a Mamba-only model leaves them at their defaults
-        _check_hybrid_fields(cfg)
+    _check_hybrid_fields(cfg)
     if not isinstance(cfg.selection_off, bool):
         raise ValueError(f"MambaConfig.selection_off must be True or False, got {cfg.selection_off!r}")
 

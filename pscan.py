@@ -341,13 +341,13 @@ def _brent_kung_reverse_(x, w):
 
 
 def _backward(ctx, a, h, h0, grad_h):
-    """The three formulas above, g by the tree's mirror image or by the forward's scan on the
-    time-reversed sequence. -> grad_a, grad_b, grad_h0"""
+    """The three formulas above. -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
-    if ctx.scan is _brent_kung_:  # g_t = grad_t + a_{t+1} * g_{t+1}, (batch, L, *rest), in place
-        g = _brent_kung_reverse_(grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True),
-                                 a[:, 1:].to(dtype))
-    else:  # the same g by any other scan, on flipped copies
+    # g_t = grad_t + a_{t+1} * g_{t+1}: (batch, L, *rest)
+    if ctx.reverse is not None:  # in place, no flipped copies
+        g = ctx.reverse(grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True),
+                        a[:, 1:].to(dtype), *ctx.extra)
+    else:
         g = ctx.scan(grad_h.to(dtype).flip(1), a[:, 1:].to(dtype).flip(1), *ctx.extra).flip(1)
     grad_a = grad_h0 = None
     if ctx.needs_input_grad[0]:
@@ -364,13 +364,13 @@ def _backward(ctx, a, h, h0, grad_h):
 
 class _ScanFunction(torch.autograd.Function):
     """A scan with the backward above: scan(x, w, *extra) is one of the scans above, extra a tuple
-    of its further arguments. h comes back in the accumulation dtype. forward takes no ctx;
+    of its further arguments, reverse(x, w, *extra) its reverse-time form or None. h comes back in the accumulation dtype. forward takes no ctx;
     setup_context receives forward's inputs and output and saves what backward reads: the form
     (torch >= 2.0) that torch.func's transforms (vmap, grad, jvp) require. Appendix A: second
     derivatives (the backward's create_graph branch) and forward mode."""
 
     @staticmethod
-    def forward(a, b, h0, dtype, scan, extra):
+    def forward(a, b, h0, dtype, scan, extra, reverse):
         h = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
         if h0 is not None:
             h[:, 0].addcmul_(a[:, 0].to(dtype), h0.to(dtype))  # fold h0 into the first step
@@ -378,31 +378,31 @@ class _ScanFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        a, _, h0, _, ctx.scan, ctx.extra = inputs
+        a, _, h0, _, ctx.scan, ctx.extra, ctx.reverse = inputs
         ctx.save_for_backward(a, output, h0)
 
     @staticmethod
     def backward(ctx, grad_h):
         a, h, h0 = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a second derivative follows (appendix A)
-            return (*_backward_recorded(ctx, a, h, h0, grad_h), None, None, None)
-        return (*_backward(ctx, a, h, h0, grad_h), None, None, None)
+            return (*_backward_recorded(ctx, a, h, h0, grad_h), None, None, None, None)
+        return (*_backward(ctx, a, h, h0, grad_h), None, None, None, None)
 
 
-def _run(scan, a, b, h0, dtype, extra=()):
-    """h from the Function above with the given scan. Eager code runs appendix A's subclass of it,
-    _ScanWithJvp, which runs this forward and backward unchanged and only adds forward mode (jvp)
-    and vmap, which training never uses; torch.compile cannot trace a Function with a jvp, so
-    compiled code runs _ScanFunction."""
+def _run(scan, a, b, h0, dtype, extra=(), reverse=None):
+    """h from the Function above with the given scan, and for its backward the scan's reverse-time
+    form in place (None: the scan on flipped copies). Eager code runs appendix A's subclass of it,
+    _ScanWithJvp, which only adds forward mode (jvp) and vmap; torch.compile cannot trace a
+    Function with a jvp, so compiled code runs _ScanFunction."""
     function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
-    return function.apply(a, b, h0, dtype, scan, extra)
+    return function.apply(a, b, h0, dtype, scan, extra, reverse)
 
 
 def pscan(a, b, h0=None):
     """Blelloch's work-efficient scan, up-sweep and down-sweep (section 5; inclusive, as Brent-Kung's
     tree), with section 8's backward. Same contract as scan_sequential."""
     dtype = _check_inputs(a, b, h0)
-    return _run(_brent_kung_, a, b, h0, dtype).to(a.dtype)
+    return _run(_brent_kung_, a, b, h0, dtype, reverse=_brent_kung_reverse_).to(a.dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -463,7 +463,7 @@ def _backward_recorded(ctx, a, h, h0, grad_h):
     dtype = h.dtype
     a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1).to(dtype)  # a_{t+1}, 0 at the end
     # time-reversed, g_t = a_{t+1}*g_{t+1} + grad_t is a forward recurrence from zero
-    g = _run(ctx.scan, a_next.flip(1), grad_h.to(dtype).flip(1), None, dtype, ctx.extra).flip(1)
+    g = _run(ctx.scan, a_next.flip(1), grad_h.to(dtype).flip(1), None, dtype, ctx.extra, ctx.reverse).flip(1)
     grad_a = (g * _previous_states(h, h0)).to(a.dtype)
     grad_h0 = None if h0 is None else (g[:, 0] * a[:, 0].to(dtype)).to(h0.dtype)
     return grad_a, g.to(a.dtype), grad_h0
@@ -487,7 +487,7 @@ class _ScanWithJvp(_ScanFunction):
         if tan_a is not None:
             forcing = forcing + tan_a.to(dtype) * _previous_states(h, h0)
         return _ScanWithJvp.apply(a, forcing, None if tan_h0 is None else tan_h0.to(dtype), dtype, ctx.scan,
-                                  ctx.extra)
+                                  ctx.extra, ctx.reverse)
 
 
 
