@@ -183,8 +183,15 @@ def run_ddp_probe(text_file, tmp_path, run_flags, **env):
     probe.write_text(DDP_PROBE.format(here=HERE))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(probe), "--data", text_file, "--out-dir", out_dir, "--device", "cpu"] + run_flags + TINY
-    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE_OUT=str(tmp_path), **env)
-    return out_dir, subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PROBE_OUT=str(tmp_path), **env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=HERE)
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # say where the processes stood, not only that they ran long
+        proc.terminate()  # torchrun stops its workers on SIGTERM (a SIGKILL would leave them running)
+        out, err = proc.communicate(timeout=60)
+        pytest.fail(f"the two processes ran past 300 s; their output so far:\n{out[-3000:]}\n{err[-3000:]}")
+    return out_dir, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def test_two_process_ddp_run_averages_gradients_losses_and_evaluations(text_file, tmp_path):
