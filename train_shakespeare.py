@@ -15,6 +15,7 @@ the fraction of the budget spent) or iteration-based (--max-iters, the CUDA defa
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -384,9 +385,9 @@ def main(argv=None):
         run = Run(args, device, ddp, ckpt)
         run.train()
         run.finish()
+        del run  # and with it DDP's hold on the process group (see end_processes)
     if ddp:
-        dist.barrier()  # tearing gloo down while a peer is still busy can abort the process
-        dist.destroy_process_group()
+        end_processes()
 
 
 # ================================================================================================
@@ -899,6 +900,19 @@ def start_torchrun(args):
         torch.cuda.set_device(local)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     return torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+
+
+def end_processes():
+    """A last barrier, then the process group torn down, in an order that cannot hang. Each gloo
+    operation keeps the ones still running when it started, and their tensors are Python's: if
+    gloo's worker thread let go of the barrier last, it would wait for the GIL while this thread,
+    holding it, waits in the group's destructor for that worker to end (pytorch/pytorch#56297; two
+    processes on a CPU hung at exit about 1 run in 12). So this thread lets go of it last."""
+    gc.collect()  # a Run left in a reference cycle would keep DDP, and so the group, alive
+    barrier = dist.barrier(async_op=True)  # tearing gloo down while a peer is still busy can abort it
+    barrier.wait()
+    dist.destroy_process_group()  # the group's last reference: its destructor ends gloo's threads
+    del barrier
 
 
 def read_last_checkpoint(args):
