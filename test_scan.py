@@ -304,6 +304,17 @@ def test_time_invariant_scan_is_a_convolution(L):
         ps.scan_time_invariant(a, b)
 
 
+@pytest.mark.parametrize("a_value", [0.5, 0.99, 0.99999])
+def test_the_convolution_is_within_twenty_eps_of_the_loop(a_value):
+    # the bound scan_time_invariant's docstring states, at its hardest: a long sequence, a near 1
+    g = torch.Generator().manual_seed(0)
+    a = torch.full((3,), a_value, dtype=torch.float64)
+    b = torch.randn((3, 4096), generator=g, dtype=torch.float64)
+    expected = reference(a.unsqueeze(1).expand_as(b), b)
+    error = (ps.scan_time_invariant(a, b) - expected).abs().max()
+    assert error <= 20 * torch.finfo(torch.float64).eps * expected.abs().max()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_two_level_is_exact_when_the_chunk_product_underflows(dtype):
     # a = 0.01: the product over a 64-step chunk is 1e-128, zero in every float format. It only
