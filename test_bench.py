@@ -274,6 +274,44 @@ def test_reading_counts_code_lines_and_prose_words_as_the_readme_method_says(tmp
     assert bench.readme_minutes(str(readme)) == (2, 3, pytest.approx(3 / 200 + 2 / 30))
 
 
+def test_a_part_runs_from_its_banner_to_the_line_before_the_next_banner(tmp_path):
+    path = tmp_path / "lesson.py"
+    path.write_text("x = 1\n"                 # 1
+                    "\n"                       # 2
+                    "# -----\n"                # 3  the banner's rule: part of the part it opens
+                    "# 2. Second\n"            # 4
+                    "# -----\n"                # 5
+                    "y = 2\n"                  # 6
+                    "\n"                       # 7  the part's last line
+                    "# -----\n"                # 8
+                    "# 3. Third\n"             # 9
+                    "z = 3\n")                 # 10
+    assert bench.part_lines(str(path), None, r"# 2\.") == (1, 2)
+    assert bench.part_lines(str(path), r"# 2\.", r"# 3\.") == (3, 7)
+    assert bench.part_lines(str(path), r"# 3\.", None) == (8, 10)
+
+
+def test_the_readme_method_counts_no_table_rule_or_pipe_as_a_word(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("| scan | work |\n|---|:---:|\n| the loop | L |\n")
+    assert bench.readme_minutes(str(readme)) == (0, 5, pytest.approx(5 / 200))  # scan, work, the, loop, L
+
+
+def test_a_decorated_function_is_found_at_its_first_decorator(tmp_path):
+    # a function's code object starts at its first decorator, which is what sys.setprofile reports
+    path = tmp_path / "lesson.py"
+    path.write_text("import functools\n"
+                    "\n"
+                    "@functools.lru_cache\n"
+                    "@staticmethod\n"
+                    "def f():\n"
+                    "    return 1\n"
+                    "def g():\n"
+                    "    return 2\n")
+    assert bench.function_spans(str(path)) == {3: (3, 6), 7: (7, 8)}
+    assert ts.mean_loss.__wrapped__.__code__.co_firstlineno in bench.function_spans(ts.__file__)  # @torch.no_grad()
+
+
 def test_bench_reading_prints_the_path_the_readme_times(capsys):
     bench.main(["reading"])
     out = capsys.readouterr().out
@@ -295,6 +333,9 @@ def test_following_the_calls_counts_each_function_off_the_path_once():
     need = next(c for c in ts.check_numbers.__code__.co_consts if hasattr(c, "co_firstlineno"))  # nested
     both = {("train_shakespeare.py", first(ts.check_numbers)), ("train_shakespeare.py", need.co_firstlineno)}
     assert bench.followed_off_path(both)["train_shakespeare.py"][0] == 1
+    # and its lines once: the outer function's body by the method, which holds the nested one
+    outer = bench.function_spans(ts.__file__)[first(ts.check_numbers)]
+    assert bench.followed_off_path(both) == {"train_shakespeare.py": (1,) + bench.reading_counts(ts.__file__, *outer)}
 
 
 def test_the_reference_switch_runs_no_engine_code_and_the_default_does(tmp_path):

@@ -492,6 +492,28 @@ def test_the_read_path_runs_the_lessons_functions_and_nothing_of_section_6(monke
     assert calls.count("selective_scan_reference") == 2 and calls.count("shifted_sum") == 2  # two layers
 
 
+def test_the_read_path_scans_with_pscans_tree_not_autos_dispatch(monkeypatch):
+    # selective_scan_reference calls pscan.py's tree (sections 5 and 8) itself, so a reader following
+    # its calls reads no backend choice (pscan.py appendix C); "auto" would pick the loop for a
+    # forward-only pass over wide steps on one thread
+    tree = []
+    real_tree = mm.pscan._brent_kung_
+    monkeypatch.setattr(mm.pscan, "_brent_kung_", lambda *a: tree.append(1) or real_tree(*a))
+    monkeypatch.setattr(mm.pscan, "choose_backend", lambda *a: pytest.fail("auto's dispatch ran"))
+    model = tiny_model(scan_backend="reference")
+    F.cross_entropy(model(torch.randint(0, 21, (2, 9))).flatten(0, 1), torch.randint(0, 21, (18,))).backward()
+    assert len(tree) >= 2  # two layers
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():  # (1, 5, 512, 16): a step of 8192 values, wide enough for auto's loop
+            x, delta = torch.randn(1, 5, 512), torch.rand(1, 5, 512)
+            mm.selective_scan_reference(x, delta, -torch.rand(512, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(tree) >= 3
+
+
 def test_causality_changing_token_t_leaves_earlier_logits_unchanged():
     model = tiny_model().double()
     ids = torch.randint(0, 21, (1, 17), generator=torch.Generator().manual_seed(2))
@@ -545,6 +567,14 @@ def test_official_initialization():
     emb = model.backbone.embedding.weight
     normal_cdf = lambda s: 0.5 * (1 + torch.erf(s / (0.02 * 2 ** 0.5)))  # noqa: E731
     assert _ks_distance(emb, normal_cdf) < _ks_bound(emb.numel())
+
+
+def test_dt_min_equal_to_dt_max_starts_every_delta_there():
+    # the log-uniform range [dt_min, dt_max] may be one point: every channel's Δ starts at it
+    model = tiny_model(dt_min=0.01, dt_max=0.01)
+    for layer in model.backbone.layers:
+        dt = F.softplus(layer.mixer.dt_proj.bias.double())
+        torch.testing.assert_close(dt, torch.full_like(dt, 0.01), rtol=1e-5, atol=0)
 
 
 def test_optim_groups_exempt_A_log_D_norms_and_biases():

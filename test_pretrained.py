@@ -365,6 +365,18 @@ def test_init_numbers_that_are_not_numbers_are_refused_by_name(tmp_path, generat
         CLASSES[generation].from_pretrained(tmp_path)
 
 
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_an_infinite_dt_init_floor_is_refused_by_name(tmp_path, generation):
+    # json reads Infinity; as the floor of the Δ init it makes every dt_bias inf, so every Δ and
+    # every output of the model NaN
+    tiny(generation).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["ssm_cfg"]["dt_init_floor"] = float("inf")
+    (tmp_path / "config.json").write_text(json.dumps(config))  # written as Infinity
+    with pytest.raises(ValueError, match="dt_init_floor must be a number >= 0, got inf"):
+        CLASSES[generation].from_pretrained(tmp_path)
+
+
 def test_an_ssm_cfg_that_is_an_empty_list_is_refused_and_null_is_the_default(tmp_path):
     tiny(1).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -443,6 +443,22 @@ def test_a_plain_backward_takes_the_lean_path(monkeypatch):
     assert calls == [1]  # and the recorded one for a second derivative
 
 
+def test_pscans_backward_scans_in_place_without_flipped_copies():
+    # section 8: pscan's backward runs the mirror-image tree on one copy of the gradient; the
+    # backends without a reverse form flip copies of the gradient, of a and of the result, each the
+    # size of the sequence (the same numbers, more memory traffic)
+    def flips(scan):
+        a = torch.rand(2, 16, 3, requires_grad=True)
+        b = torch.randn(2, 16, 3, requires_grad=True)
+        h = scan(a, b)
+        with torch.profiler.profile() as prof:
+            h.backward(torch.randn_like(h))
+        return [e.name for e in prof.events()].count("aten::flip")
+
+    assert flips(ps.scan_hillis_steele) == 3  # the profiler sees the copies where they are made
+    assert flips(ps.pscan) == 0
+
+
 @pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 8, 13, 64, 100])
 def test_the_tree_backwards_in_place_is_the_reverse_recurrence(L):
     # pscan section 8's mirror-image tree, which pscan's backward and mamba_minimal.py's engine run:

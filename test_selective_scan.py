@@ -136,6 +136,28 @@ def test_a_plain_backward_never_takes_the_recorded_path(form, monkeypatch):
     assert all(t.grad is not None for t in args)
 
 
+@pytest.mark.parametrize("backend, reverse", [("sequential", False), ("sequential", True), ("pscan", False),
+                                              ("pscan", True), ("associative", True)])
+def test_the_engines_scan_runs_in_place_where_its_docstring_says(backend, reverse):
+    # _scan_in_place writes the states over h for the loop and pscan.py's trees (the backward's reverse
+    # scan of "associative" runs the mirror-image tree too); only the other backends allocate
+    g = torch.Generator().manual_seed(0)
+    dA = torch.rand(2, 9, 3, 4, generator=g, dtype=torch.float64)  # (b, L, N, ED)
+    x = torch.randn(2, 9, 3, 4, generator=g, dtype=torch.float64)
+    want, state = x.clone(), torch.zeros(2, 3, 4, dtype=torch.float64)
+    for t in (range(8, -1, -1) if reverse else range(9)):  # h_t = dA_t·h_{t-1} + x_t from the first step
+        if reverse:  # h_t = dA_{t+1}·h_{t+1} + x_t, nothing after the last step
+            decay = dA[:, t + 1] if t < 8 else 0
+        else:
+            decay = dA[:, t]
+        state = decay * state + x[:, t]
+        want[:, t] = state
+    h = x.clone()
+    out = mm._scan_in_place(h, dA, backend, reverse)
+    assert out.data_ptr() == h.data_ptr()
+    torch.testing.assert_close(h, want, rtol=1e-12, atol=1e-12)
+
+
 def test_the_model_trains_through_the_function():
     model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=11, d_state=4))
     seen, stack = set(), [model(torch.randint(0, 11, (2, 5))).sum().grad_fn]

@@ -975,6 +975,17 @@ def test_dtype_sets_autocast_and_fp16_trains_with_a_loss_scaler(monkeypatch):
         assert (p.grad.double() - g_ref * 0.5 / norm).norm() <= 0.02 * (g_ref * 0.5 / norm).norm() + 1e-6, name
 
 
+def test_an_autocast_that_torch_turns_off_is_an_error_not_an_fp32_run(monkeypatch):
+    # where torch has no autocast of that dtype on the device it warns and hands back a disabled
+    # context, which changes nothing: the run would train in fp32 under a bf16 or fp16 label
+    real = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda device_type, dtype=None, enabled=True:
+                        real(device_type, dtype=dtype, enabled=False))
+    for dtype in ("bf16", "fp16"):
+        with pytest.raises(SystemExit, match=f"has no {dtype} autocast on cpu; use --dtype fp32"):
+            ts.precision(torch.device("cpu"), dtype)
+
+
 def test_an_fp16_run_keeps_its_loss_scale_in_the_checkpoint(text_file, tmp_path, capsys):
     out_dir = str(tmp_path / "fp16")
     out = run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "4", "--eval-interval", "2"]
@@ -1171,6 +1182,65 @@ def test_torchrun_with_device_cuda_needs_a_gpu_per_process(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never gloo on a CPU instead
     with pytest.raises(SystemExit, match="process 1 needs cuda:1, and torch finds 0 cuda device"):
         ts.start_processes(ts.parse_args(["--device", "cuda"]))
+
+
+@pytest.mark.parametrize("cuda, mps, expected", [(2, True, "cuda"), (0, True, "mps"), (0, False, "cpu")])
+def test_device_auto_takes_cuda_then_mps_then_the_cpu_and_a_named_device_must_exist(monkeypatch, cuda, mps, expected):
+    # the order --help and pick_device's docstring give; a device torch does not find is an error
+    # line at the start, not a crash at the first tensor moved there
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    assert ts.pick_device("auto") == torch.device(expected)
+    for name, found in [("cuda", cuda), ("cuda:1", cuda), ("mps", int(mps))]:
+        kind, _, index = name.partition(":")
+        if int(index or 0) < found:
+            assert ts.pick_device(name) == torch.device(name)
+        else:
+            with pytest.raises(SystemExit, match=f"--device {name}: torch finds {found} {kind} device"):
+                ts.pick_device(name)
+
+
+def test_the_text_is_downloaded_into_data_once_and_a_cut_download_leaves_no_text(tmp_path, monkeypatch):
+    text = "ROMEO: the downloaded text.\n" * 50
+    urls = []
+
+    class Response:  # urlopen's answer, a context manager
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return text.encode()
+
+    monkeypatch.setattr(ts.urllib.request, "urlopen", lambda url, timeout: urls.append(url) or Response())
+    monkeypatch.chdir(tmp_path)  # a checkout without data/
+
+    class FullDisk:  # a file that takes half of what is written, then the disk is full
+        def __init__(self, path, mode):
+            self.f = open(path, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:len(data) // 2])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ts, "open", lambda path, mode="r": FullDisk(path, mode) if "w" in mode else open(path, mode),
+                        raising=False)
+    with pytest.raises(OSError, match="No space left on device"):
+        ts.read_text(None)
+    assert not os.path.exists(os.path.join("data", "tinyshakespeare.txt"))  # no half text for the next run
+    monkeypatch.delattr(ts, "open")
+    assert ts.read_text(None) == text and urls == [ts.DATA_URL] * 2
+    assert ts.read_text(None) == text and len(urls) == 2  # then read from data/, not downloaded again
 
 
 def test_without_a_network_the_error_names_the_file_to_copy_and_data(tmp_path, monkeypatch):
