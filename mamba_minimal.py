@@ -3,10 +3,11 @@ mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, comp
 official checkpoints.
 
 Read it top to bottom: sections 1 to 5 are the whole model. By default their scan, and the conv's
-backward, run through section 6's engine (the same numbers to rounding, 1.2-1.5 times as fast to train);
-MambaConfig(scan_backend="reference") runs sections 2 and 3's code itself: the two paths sit side
-by side in MambaMixer. With that switch, sections 1 to 5 reach later code only through the
-appendix's input checks and options (compiling, loading, packed sequences, hybrid layers, the ablation).
+backward, run through section 6's engine (the same numbers to rounding; a CPU training step 1.2-1.5
+times as fast: RESULTS.md); MambaConfig(scan_backend="reference") runs sections 2 and 3's code
+itself: the two paths sit side by side in MambaMixer. With that switch, sections 1 to 5 reach later
+code only through the appendix's input checks and options (compiling, loading, packed sequences,
+hybrid layers, the ablation).
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -2338,7 +2339,7 @@ def _check_forward(model, input_ids, want_cache, cache, seq_idx, attention_mask)
     # not while torch.compile traces the model: a value read there would cut the graph in two; nor
     # where torch.func.vmap batches an argument: a batched tensor has no single value to read
     read_values = (want_cache or input_ids.device.type == "cpu") and not torch.compiler.is_compiling() \
-        and not any(_batched_by_vmap(t) for t in (input_ids, seq_idx, attention_mask))
+        and not any(_batched_by_vmap(t) for t in (input_ids, seq_idx, attention_mask))  # False but under vmap
     if read_values:
         _check_token_range(input_ids, model.cfg.vocab_size)
     if cache is None and seq_idx is None and attention_mask is None:
