@@ -364,10 +364,11 @@ def _backward(ctx, a, h, h0, grad_h):
 
 class _ScanFunction(torch.autograd.Function):
     """A scan with the backward above: scan(x, w, *extra) is one of the scans above, extra a tuple
-    of its further arguments, reverse(x, w, *extra) its reverse-time form or None. h comes back in the accumulation dtype. forward takes no ctx;
-    setup_context receives forward's inputs and output and saves what backward reads: the form
-    (torch >= 2.0) that torch.func's transforms (vmap, grad, jvp) require. Appendix A: second
-    derivatives (the backward's create_graph branch) and forward mode."""
+    of its further arguments, reverse(x, w, *extra) its reverse-time form or None. h comes back in
+    the accumulation dtype. forward takes no ctx; setup_context receives forward's inputs and
+    output and saves what backward reads: the form (torch >= 2.0) that torch.func's transforms
+    (vmap, grad, jvp) require. Appendix A: second derivatives (the backward's create_graph branch)
+    and forward mode."""
 
     @staticmethod
     def forward(a, b, h0, dtype, scan, extra, reverse):

@@ -462,8 +462,8 @@ def test_pscans_backward_scans_in_place_without_flipped_copies():
 @pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 8, 13, 64, 100])
 def test_the_tree_backwards_in_place_is_the_reverse_recurrence(L):
     # pscan section 8's mirror-image tree, which pscan's backward and mamba_minimal.py's engine run:
-    # g_t = a_{t+1}·g_{t+1} + x_t from the end,
-    # in place on a strided view, against the float64 loop run on the time-reversed sequence
+    # g_t = a_{t+1}·g_{t+1} + x_t from the end, in place on a strided view, against the float64 loop
+    # run on the time-reversed sequence
     a, x, _ = make_inputs(2, L, (3,))
     a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)  # a_{t+1}, none after the last
     want = reference(a_next.flip(1), x.flip(1)).flip(1)

@@ -15,7 +15,6 @@ the CUDA default).
 
 import argparse
 import contextlib
-import gc
 import json
 import math
 import os
@@ -906,9 +905,9 @@ def end_processes():
     """A last barrier, then the process group torn down, in an order that cannot hang. Each gloo
     operation keeps the ones still running when it started, and their tensors are Python's: if
     gloo's worker thread let go of the barrier last, it would wait for the GIL while this thread,
-    holding it, waits in the group's destructor for that worker to end (pytorch/pytorch#56297; two
-    processes on a CPU hung at exit about 1 run in 12). So this thread lets go of it last."""
-    gc.collect()  # a Run left in a reference cycle would keep DDP, and so the group, alive
+    holding it, waits in the group's destructor for that worker to end (pytorch/pytorch#56297: a
+    process that never exits). So this thread lets go of it last. main has let go of DDP, which
+    would otherwise keep the group alive past destroy_process_group."""
     barrier = dist.barrier(async_op=True)  # tearing gloo down while a peer is still busy can abort it
     barrier.wait()
     dist.destroy_process_group()  # the group's last reference: its destructor ends gloo's threads
