@@ -2174,7 +2174,7 @@ ATTN_DEFAULTS = dict(num_heads=None, num_heads_kv=None, head_dim=None, mlp_dim=0
 
 def attn_settings(cfg):
     """cfg.attn_cfg over the official MHA's defaults, with num_heads_kv (num_heads) and head_dim
-    (d_model / num_heads) filled in; checked by _check_hybrid_fields."""
+    (d_model / num_heads) filled in; checked by _check_attn_cfg."""
     a = {**ATTN_DEFAULTS, **cfg.attn_cfg}
     if a["num_heads_kv"] is None:
         a["num_heads_kv"] = a["num_heads"]
@@ -2206,7 +2206,8 @@ def _check_dt_init(cfg):
 
 
 def _check_hybrid_fields(cfg):
-    """Section 9's fields, in every generation's config."""
+    """Section 9's fields, in every generation's config; attn_cfg's settings only where an attention
+    layer reads them (_check_attn_cfg)."""
     name = type(cfg).__name__
     if not _is_count(cfg.d_intermediate):
         raise ValueError(f"{name}.d_intermediate must be an integer >= 0 (0: no MLP), got {cfg.d_intermediate!r}")
@@ -2219,8 +2220,12 @@ def _check_hybrid_fields(cfg):
                          f"{cfg.n_layer}), got {idx!r}")
     if not isinstance(cfg.attn_cfg, dict):
         raise ValueError(f"{name}.attn_cfg must be a dict of the official MHA's arguments, got {cfg.attn_cfg!r}")
-    if not idx:
-        return  # no attention layer reads attn_cfg
+    if idx:
+        _check_attn_cfg(cfg)
+
+
+def _check_attn_cfg(cfg):
+    """attn_cfg over the official MHA's defaults (attn_settings), for a model with attention layers."""
     unknown = set(cfg.attn_cfg) - set(ATTN_DEFAULTS)
     if unknown:
         raise ValueError(f"unknown attn_cfg fields {sorted(unknown)}; the official MHA takes {sorted(ATTN_DEFAULTS)}")
