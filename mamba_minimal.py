@@ -622,9 +622,10 @@ def _sample(logits, temperature, top_k, top_p, generator):  # generate checked t
 # differs. The same numbers to rounding, tested against the same float64 loop; _SelectiveScan
 # runs the CPU form on a CPU and the GPU form on any other device (_gpu_form).
 #
-# The CPU form. What the passes cost is memory traffic: a (b, L, N, ED) tensor (2.0 MB at the
-# trainer's CPU shape) is larger than a core's L2 cache, so each pass over a whole one goes out
-# to the L3 cache or to memory. The backward therefore works one state n at a time: several sums
+# The CPU form. What the passes cost is memory traffic: G, dA and h, three (b, L, N, ED) tensors
+# (2.0 MB each at the trainer's CPU shape), do not fit together in a core's L2 cache (1 MB on
+# RESULTS.md's AMD VM, 2 MiB on its Intel one), so a pass over all of them goes out to the L3
+# cache or to memory. The backward therefore works one state n at a time: several sums
 # read each (b, L, ED) slice of G, dA and h (1.0 MB each) in turn while it is still in a cache,
 # L2 or L3, instead of making a pass over each whole tensor.
 #

@@ -304,15 +304,16 @@ def test_time_invariant_scan_is_a_convolution(L):
         ps.scan_time_invariant(a, b)
 
 
-@pytest.mark.parametrize("a_value", [0.5, 0.99, 0.99999])
-def test_the_convolution_is_within_twenty_eps_of_the_loop(a_value):
-    # the bound scan_time_invariant's docstring states, at its hardest: a long sequence, a near 1
-    g = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("a_value", [0.5, 0.99, 0.9999, 0.99999, 1.0])
+def test_the_convolution_is_within_a_hundred_eps_of_the_loop(a_value):
+    # the bound scan_time_invariant's docstring states, at its hardest: a long sequence, a near 1,
+    # ten random draws (the ratio has a tail: 45 at worst in 50 draws at a = 0.99999)
     a = torch.full((3,), a_value, dtype=torch.float64)
-    b = torch.randn((3, 4096), generator=g, dtype=torch.float64)
-    expected = reference(a.unsqueeze(1).expand_as(b), b)
-    error = (ps.scan_time_invariant(a, b) - expected).abs().max()
-    assert error <= 20 * torch.finfo(torch.float64).eps * expected.abs().max()
+    for seed in range(10):
+        b = torch.randn((3, 4096), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        expected = reference(a.unsqueeze(1).expand_as(b), b)
+        error = (ps.scan_time_invariant(a, b) - expected).abs().max()
+        assert error <= 100 * torch.finfo(torch.float64).eps * expected.abs().max(), seed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
