@@ -317,7 +317,9 @@ def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monke
     monkeypatch.setattr(torch, "save", torn_save)
     with pytest.raises(KeyboardInterrupt):
         old.save_pretrained(tmp_path, safe_serialization=False)
-    assert sorted(os.listdir(tmp_path)) == ["config.json"]  # no half-written file under any name
+    # no half-written file under any name, and the checkpoint that was there is still whole
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
+    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
     monkeypatch.undo()
     new.save_pretrained(tmp_path, safe_serialization=False)
     assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
