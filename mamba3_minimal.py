@@ -498,6 +498,8 @@ class Mamba3Config:
             raise ValueError(f"d_state must be even and leave at least one rotated pair at rope_fraction "
                              f"{self.rope_fraction}, got d_state = {self.d_state}")
         mm._check_dt_init(self)
+        if not mm._is_positive_number(self.norm_epsilon):  # -1 or NaN: every norm, so every logit, NaN
+            raise ValueError(f"Mamba3Config.norm_epsilon must be a positive number, got {self.norm_epsilon!r}")
         if not mm._is_positive_number(self.A_floor):
             raise ValueError(f"A_floor must be positive (A <= -A_floor keeps every step decaying), got {self.A_floor!r}")
         if self.A_activation not in A_ACTIVATIONS:

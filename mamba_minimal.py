@@ -1705,7 +1705,8 @@ def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_
 # model.safetensors (the tied head stored once, as transformers does) or, without the safetensors
 # package, pytorch_model.bin (both keys, one storage, as the official save_pretrained writes).
 # Each file is written beside its final name and then renamed over it, so that an interrupted save
-# leaves the old file or the new one, never half of one.
+# leaves the old file or the new one, never half of one; the old weights are removed only once the
+# new ones are whole.
 
 # fields of the official MambaConfig (config_mamba.py); the rest of ours are the mixer's or runtime options
 _OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
@@ -1745,8 +1746,10 @@ def _as_json(value):
 def save_pretrained(model, folder, config_dict, safe_serialization=None):
     """Write config_dict as config.json and the model's weights into folder (created if needed);
     safe_serialization: model.safetensors (True), pytorch_model.bin (False), or None: safetensors
-    where the package is installed. Other weights files in the folder are removed first: the
-    loader would otherwise find a stale model.safetensors before a new pytorch_model.bin."""
+    where the package is installed. Other weights files in the folder are removed once the new
+    file is complete, just before it takes its name (the loader would otherwise find a stale
+    model.safetensors before a new pytorch_model.bin): a save that fails on the way, a full disk or
+    an interrupt, leaves the checkpoint that was there."""
     if safe_serialization is None:
         safe_serialization = _safetensors_installed()
     if safe_serialization:  # before anything in the folder is removed
@@ -1756,18 +1759,21 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
             raise ImportError("safe_serialization=True needs the safetensors package: pip install safetensors "
                               "(or save_pretrained(folder, safe_serialization=False) for pytorch_model.bin)") from err
     os.makedirs(folder, exist_ok=True)
-    for path in _weights_files(folder):
-        if os.path.lexists(path):
-            os.remove(path)
+    target = os.path.join(folder, "model.safetensors" if safe_serialization else "pytorch_model.bin")
+
+    def remove_stale():
+        for path in _weights_files(folder):
+            if path != target and os.path.lexists(path):
+                os.remove(path)
+
     state_dict = model.state_dict()
     if safe_serialization:
         if model.cfg.tie_embeddings:
             del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
-        _write_atomically(os.path.join(folder, "model.safetensors"),
-                          lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp,
-                                                metadata={"format": "pt"}))
+        _write_atomically(target, lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp,
+                                                        metadata={"format": "pt"}), remove_stale)
     else:
-        _write_atomically(os.path.join(folder, "pytorch_model.bin"), lambda tmp: torch.save(state_dict, tmp))
+        _write_atomically(target, lambda tmp: torch.save(state_dict, tmp), remove_stale)
     _write_atomically(os.path.join(folder, "config.json"), lambda tmp: _write_json(tmp, config_dict))
     return folder
 
@@ -1778,10 +1784,12 @@ def _write_json(path, d):
         f.write("\n")
 
 
-def _write_atomically(path, write):
+def _write_atomically(path, write, before_rename=None):
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         write(tmp)
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -147,8 +147,12 @@ def mean_loss(model, ids, window):
 
 
 def score(args, model, tokenizer, device, generation):
-    with open(args.text, encoding="utf-8") as f:
-        ids = encode(tokenizer, f.read(), model, device)
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:  # a typo in the path, a folder, a file that is not UTF-8
+        raise SystemExit(f"error: cannot read --text {args.text}: {err}") from None
+    ids = encode(tokenizer, text, model, device)
     if ids.shape[1] < 2:
         raise SystemExit("error: the text must have at least 2 tokens")
     loss = mean_loss(model, ids, args.window)
@@ -158,6 +162,19 @@ def score(args, model, tokenizer, device, generation):
         losses = mamba3_minimal.A_variant_losses(model, ids)
         print("mean loss with each A_activation (the config's: " + model.cfg.A_activation + "): "
               + ", ".join(f"{variant} {value:.4f}" for variant, value in losses.items()))
+
+
+def checked_device(p, name):
+    """--device as a torch.device, or a usage error that names it, before the checkpoint is read."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        p.error(f"--device {name} is not a device name; expected cpu, cuda, cuda:N or mps")
+    available = {"cpu": 1, "cuda": torch.cuda.device_count(),
+                 "mps": int(getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available())}
+    if (device.index or 0) >= available.get(device.type, 0):
+        p.error(f"--device {name}: torch finds {available.get(device.type, 0)} {device.type} device(s)")
+    return device
 
 
 def main(argv=None):
@@ -186,9 +203,11 @@ def main(argv=None):
         p.error("score needs --text FILE")
     if args.window < 1:
         p.error("--window must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = checked_device(p, args.device)
     try:
         model, generation, folder = load_model(args.model, DTYPES[args.dtype], device)
     except (ValueError, FileNotFoundError, ImportError) as err:

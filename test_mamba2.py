@@ -483,6 +483,8 @@ def test_optim_groups_exempt_A_log_D_dt_bias_norms_and_biases():
     (dict(A_init_range=(16, 1)), r"A_init_range must be \(low, high\) with 0 < low <= high"),
     (dict(d_ssm=16.0), "d_ssm = 16.0 must be a multiple of headdim"),
     (dict(norm_epsilon=-1.0), "norm_epsilon must be positive"),  # NaN logits
+    (dict(norm_epsilon=None), "norm_epsilon must be positive"),  # config.json's null: was a TypeError
+    (dict(norm_epsilon="1e-5"), "norm_epsilon must be positive"),
 ])
 def test_config_rejects_malformed_fields(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -651,6 +651,9 @@ def test_config_rejects_what_the_official_module_refuses():
                         (dict(headdim=7), "multiple of headdim"), (dict(ngroups=3), "multiple of ngroups"),
                         (dict(d_state=2), "at least one rotated pair"), (dict(is_mimo=1), "True or False"),
                         (dict(A_floor=0.0), "A_floor must be positive"), (dict(mimo_rank=0), "positive integer"),
+                        (dict(norm_epsilon=-1.0), "norm_epsilon must be a positive number"),  # NaN logits
+                        (dict(norm_epsilon=float("nan")), "norm_epsilon must be a positive number"),
+                        (dict(norm_epsilon=None), "norm_epsilon must be a positive number"),
                         (dict(A_activation="exp"), r"A_activation must be one of \('heavy_tail', 'softplus'\)")):
         with pytest.raises(ValueError, match=message):
             small_config(**kw)

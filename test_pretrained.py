@@ -317,7 +317,9 @@ def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monke
     monkeypatch.setattr(torch, "save", torn_save)
     with pytest.raises(KeyboardInterrupt):
         old.save_pretrained(tmp_path, safe_serialization=False)
-    assert sorted(os.listdir(tmp_path)) == ["config.json"]  # no half-written file under any name
+    # no half-written file under any name, and the checkpoint that was there is still whole
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
+    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
     monkeypatch.undo()
     new.save_pretrained(tmp_path, safe_serialization=False)
     assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
@@ -454,6 +456,20 @@ def test_score_is_the_mean_loss_of_the_text_whatever_the_window(tmp_path, capsys
                          "--dtype", "fp32"])
         out = capsys.readouterr().out
         assert f"{token_ids.shape[1]} tokens, mean loss {expected:.4f} nats/token" in out, (window, out)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "foo"], "--device foo is not a device name"),
+    (["--device", "cuda:99"], "--device cuda:99: torch finds"),
+    (["--threads", "-1"], "--threads must be at least 1"),
+    (["--text", "missing.txt"], "error: cannot read --text missing.txt"),
+])
+def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tokenizer, monkeypatch, flags, message):
+    tiny(1).save_pretrained(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        pretrained.main(["score", str(tmp_path), "--text", "text.txt"] + flags)
+    assert message in str(stop.value) + capsys.readouterr().err
 
 
 def test_score_of_a_mamba3_checkpoint_gives_the_loss_under_each_A(tmp_path, capsys, char_tokenizer):
