@@ -2428,6 +2428,7 @@ def _check_cache(model, cache, batch, written_in_place=False):
         raise ValueError(f"cache must be a list of {n_layer} {what}, one per layer, as prefill returns it for "
                          f"this model; got {got}")
     owners = []  # (storage, first byte, end byte, the state that holds them)
+    kv_lists = {}  # id of a KV cache's list -> its layer: step replaces the list's tensors
     for i, (layer, layer_cache, spec) in enumerate(zip(model.backbone.layers, cache, specs)):
         grows = [name for name, shape, *_ in spec if None in shape]
         if not isinstance(layer_cache, (list, tuple)) or len(layer_cache) != len(spec):
@@ -2435,6 +2436,11 @@ def _check_cache(model, cache, batch, written_in_place=False):
         if written_in_place and grows and not isinstance(layer_cache, list):
             raise ValueError(f"cache[{i}] must be a {entries[i]}, as prefill returns it: step replaces its "
                              f"{', '.join(grows)} with tensors one token longer")
+        if written_in_place and grows:
+            if id(layer_cache) in kv_lists:  # [entry] * n_layer: step would append every layer's token to it
+                raise ValueError(f"cache[{i}] is the same list as cache[{kv_lists[id(layer_cache)]}]; each layer "
+                                 f"needs a list of its own, as prefill returns them")
+            kv_lists[id(layer_cache)] = i
         device = next(layer.mixer.parameters()).device
         tokens = {}  # name -> the number of tokens of a KV cache tensor
         for t, (name, shape, dims, dtype) in zip(layer_cache, spec):

@@ -667,6 +667,19 @@ def test_kernel_only_fields_are_accepted_and_ignored_and_null_means_no_attention
     assert cfg.d_intermediate == 0 and cfg.attn_layer_idx == [] and cfg.attn_cfg == {} and cfg.rms_norm
 
 
+def test_one_kv_list_shared_by_two_layers_is_refused():
+    # [entry] * n_layer: step would append both layers' keys to one list, and layer 1 would read layer 0's
+    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=11, attn_layer_idx=[0, 1],
+                                      attn_cfg=dict(num_heads=2, causal=True)))
+    _, cache = model.prefill(torch.randint(0, 11, (1, 6)))
+    tokens = cache[0][0].shape[1]
+    with pytest.raises(ValueError, match=r"cache\[1\] is the same list as cache\[0\]"):
+        model.step(torch.tensor([3]), [cache[0], cache[0]])
+    assert cache[0][0].shape[1] == tokens  # nothing appended
+    model.step(torch.tensor([3]), cache)  # each layer's own list: one token more in each
+    assert [c[0].shape[1] for c in cache] == [tokens + 1] * 2
+
+
 def test_bad_kv_caches_are_refused_before_anything_is_written(tmp_path):
     model, *_ = hybrid(tmp_path, "mamba1", "gqa_conv")
     ids = torch.randint(0, VOCAB, (2, 5))
