@@ -1018,6 +1018,7 @@ def resume(run, ckpt):
     try:
         run.raw_model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
+        check_optimizer_state(run.optimizer)
         if run.scaler is not None and ckpt.get("scaler"):
             run.scaler.load_state_dict(ckpt["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -1033,6 +1034,17 @@ def resume(run, ckpt):
         log(f"note: {run.best_path} is missing; the run goes on with its best val reset to infinity, "
             f"so that its next evaluation writes a new best.pt")
         run.p.best_val, run.p.bad_evals = math.inf, 0
+
+
+def check_optimizer_state(optimizer):
+    """load_state_dict does not compare the moments' shapes with the parameters': a fused AdamW step
+    would read out of bounds (a crash without a message)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(f"its {key} has shape {tuple(value.shape)} for a parameter of "
+                                     f"{tuple(param.shape)}")
 
 
 def load_best(run):
