@@ -818,8 +818,9 @@ def A_variant_losses(path_or_model, input_ids, **load_kwargs):
                        (this function reads ids only; tokenizing is the caller's)
     Returns:
         {"heavy_tail": loss, "softplus": loss}: the cross-entropy of each token given the ones
-        before it, over the model's padded vocabulary (its logits as they come), averaged over
-        the b·(L − 1) predictions. A model passed in is left with the A_activation it had.
+        before it, over the vocabulary (the logits of padding entries left out, as a loss over the
+        text's tokens reads them), averaged over the b·(L − 1) predictions. A model passed in is
+        left with the A_activation it had.
     """
     if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
             or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2):
@@ -844,7 +845,7 @@ def A_variant_losses(path_or_model, input_ids, **load_kwargs):
             cfg.A_activation = variant  # every mixer reads the model's one config
             total = 0.0
             for row in ids:  # one row at a time: a (L, vocab) logits tensor is the largest one held
-                logits = _at_least_fp32(model(row[None])[0, :-1])  # (L - 1, padded vocab)
+                logits = _at_least_fp32(model(row[None])[0, :-1, :cfg.vocab_size])  # (L - 1, vocab)
                 total += F.cross_entropy(logits, row[1:], reduction="sum").item()
             losses[variant] = total / (ids.shape[0] * (ids.shape[1] - 1))
     finally:

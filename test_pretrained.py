@@ -484,12 +484,13 @@ def test_score_of_a_mamba3_checkpoint_gives_the_loss_under_each_A(tmp_path, caps
     expected = {}
     for variant in m3.A_ACTIVATIONS:  # the oracle: one forward per variant, log-softmax in float64
         variant_model = CLASSES[3].from_pretrained(tmp_path, dtype=torch.float64, A_activation=variant)
-        logits = variant_model(token_ids)[0, :-1].double()
+        logits = variant_model(token_ids)[0, :-1, :VOCAB].double()  # the vocabulary, its padding left out
         expected[variant] = -logits.log_softmax(-1).gather(-1, token_ids[0, 1:, None]).mean().item()
     assert expected["heavy_tail"] != pytest.approx(expected["softplus"], abs=1e-4)
     pretrained.main(["score", str(tmp_path), "--text", str(tmp_path / "text.txt")])
     out = capsys.readouterr().out
     assert "(the config's: softplus): " + ", ".join(f"{v} {expected[v]:.4f}" for v in m3.A_ACTIVATIONS) in out
+    assert f"mean loss {expected['softplus']:.4f} nats/token" in out  # the config's A: the line above's loss
 
 
 def test_a_folder_with_its_own_tokenizer_uses_it_and_the_flag_overrides(tmp_path, char_tokenizer):
