@@ -1489,11 +1489,12 @@ def _safetensors_installed():
 
 
 def _weights_files(folder):
-    """The folder's weights files, in the order they are tried: model.safetensors first (as
-    transformers does) unless the safetensors package is missing and a .bin is there too."""
-    order = ["model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json"]
-    if not _safetensors_installed():
-        order = order[1:2] + order[:1] + order[3:] + order[2:3]
+    """The folder's weights files, in the order they are tried: safetensors first, whole or sharded
+    (as transformers does), unless the safetensors package is missing: then the .bin, whole or
+    sharded, is read where the folder has one."""
+    safetensors = ["model.safetensors", "model.safetensors.index.json"]
+    pickles = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+    order = safetensors + pickles if _safetensors_installed() else pickles + safetensors
     return [os.path.join(folder, name) for name in order]
 
 

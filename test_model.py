@@ -1195,6 +1195,18 @@ def test_weights_files_that_are_not_state_dicts_raise_errors_that_name_the_probl
             MambaLM.from_pretrained(str(tmp_path / "cut_st"))
 
 
+def _shard(folder, model, fmt, save):
+    """model's weights as two shards of format fmt and their index, in folder."""
+    names = list(model.state_dict())
+    weight_map = {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-0000{i + 1}-of-00002.{fmt}"
+        save({k: model.state_dict()[k].clone() for k in part}, str(folder / shard))
+        weight_map.update({k: shard for k in part})
+    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (folder / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 @pytest.mark.parametrize("fmt", ["bin", "safetensors"])
 def test_a_sharded_checkpoint_loads_with_identical_logits(tmp_path, fmt):
     # transformers' save_pretrained splits a model above max_shard_size into files listed by an index
@@ -1207,16 +1219,30 @@ def test_a_sharded_checkpoint_loads_with_identical_logits(tmp_path, fmt):
     expected = model(ids)
     _write_official(tmp_path / "sharded", model)
     (tmp_path / "sharded" / "pytorch_model.bin").unlink()
-    names = list(model.state_dict())
-    weight_map = {}
-    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
-        shard = f"model-0000{i + 1}-of-00002.{fmt}"
-        save({k: model.state_dict()[k].clone() for k in part}, str(tmp_path / "sharded" / shard))
-        weight_map.update({k: shard for k in part})
-    index = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
-    (tmp_path / "sharded" / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _shard(tmp_path / "sharded", model, fmt, save)
     loaded = MambaLM.from_pretrained(str(tmp_path / "sharded"))
     torch.testing.assert_close(loaded(ids), expected, rtol=0, atol=0)
+
+
+def test_with_both_formats_the_readable_one_loads_whole_or_sharded(tmp_path, monkeypatch):
+    # safetensors first where the package is installed, sharded or not (a repository converted
+    # after a .bin release keeps both); without it, the .bin, sharded or not
+    save_file = pytest.importorskip("safetensors.torch").save_file
+    ids = torch.randint(0, 21, (1, 7), generator=torch.Generator().manual_seed(1))
+    st_model, bin_model = tiny_model(seed=5).eval(), tiny_model(seed=6).eval()
+    _write_official(tmp_path / "a", bin_model)  # a whole pytorch_model.bin ...
+    _shard(tmp_path / "a", st_model, "safetensors", save_file)  # ... and safetensors shards
+    torch.testing.assert_close(MambaLM.from_pretrained(str(tmp_path / "a"))(ids), st_model(ids), rtol=0, atol=0)
+    _write_official(tmp_path / "b", bin_model)  # a whole model.safetensors and .bin shards
+    (tmp_path / "b" / "pytorch_model.bin").unlink()
+    _shard(tmp_path / "b", bin_model, "bin", torch.save)
+    save_file({k: v for k, v in st_model.state_dict().items() if k != "lm_head.weight"},
+              str(tmp_path / "b" / "model.safetensors"))
+    torch.testing.assert_close(MambaLM.from_pretrained(str(tmp_path / "b"))(ids), st_model(ids), rtol=0, atol=0)
+    monkeypatch.setattr(mm, "_safetensors_installed", lambda: False)
+    for folder in ("a", "b"):
+        torch.testing.assert_close(MambaLM.from_pretrained(str(tmp_path / folder))(ids), bin_model(ids),
+                                   rtol=0, atol=0)
 
 
 def test_the_head_is_tied_only_when_the_config_says_so(tmp_path):
