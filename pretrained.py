@@ -203,6 +203,15 @@ def main(argv=None):
         p.error("score needs --text FILE")
     if args.window < 1:
         p.error("--window must be at least 1")
+    if args.command == "generate":  # before the download, and before the prompt is printed
+        if args.max_new_tokens < 1:
+            p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        if not 0 <= args.temperature < math.inf:
+            p.error(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+        if args.top_k is not None and args.top_k < 1:
+            p.error(f"--top-k must be at least 1, got {args.top_k}")
+        if not 0 < args.top_p <= 1:
+            p.error(f"--top-p must lie in (0, 1] (1: no cut), got {args.top_p}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
     if args.threads:

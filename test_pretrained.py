@@ -472,6 +472,21 @@ def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tok
     assert message in str(stop.value) + capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--top-p", "0"], r"--top-p must lie in \(0, 1\]"),
+])
+def test_bad_sampling_flags_end_before_anything_is_printed(tmp_path, capsys, char_tokenizer, flags, message):
+    tiny(1).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit):
+        pretrained.main(["generate", str(tmp_path), "--prompt", "abc"] + flags)
+    out, err = capsys.readouterr()
+    assert out == "" and re.search(message, err), (out, err)
+
+
 def test_score_of_a_mamba3_checkpoint_gives_the_loss_under_each_A(tmp_path, capsys, char_tokenizer):
     # a checkpoint trained with the March 2026 release's softplus A: the variant with the lower loss
     # on its own text says which A it needs (mamba3_minimal.A_variant_losses)
