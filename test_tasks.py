@@ -232,7 +232,8 @@ def test_main_writes_its_results(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("task", [induction_heads, mqar, selective_copying, state_tracking])
 @pytest.mark.parametrize("argv,named", [(["--models", ""], "--models"), (["--models", ","], "--models"),
                                         (["--models", "mamba,mamba2,mamba"], "--models"),
-                                        (["--out-dir", "FILE"], "--out-dir"), (["--out-dir", "FILE/sub"], "--out-dir")])
+                                        (["--out-dir", "FILE"], "is a file; it must be a folder"),
+                                        (["--out-dir", "FILE/sub"], "--out-dir")])
 def test_a_bad_task_command_line_ends_in_one_error_line_before_training(task, argv, named, tmp_path, monkeypatch,
                                                                         capsys):
     # an empty or repeated model list, or an out dir that cannot be made: refused at once, not after

@@ -165,6 +165,8 @@ def arguments(description, models, steps, extra=None, argv=None):
         p.error(f"--models needs one or more different names, got {','.join(args.models)!r}")
     if args.seeds < 1 or args.steps < 1 or args.threads < 1:
         p.error("--seeds, --steps and --threads must be positive")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        p.error(f"--out-dir {args.out_dir} is a file; it must be a folder (created if missing)")
     try:  # now, not after the first model has trained for minutes
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as err:
