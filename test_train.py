@@ -1132,7 +1132,9 @@ def test_model_flags_of_another_arch_or_of_the_unused_fused_path_are_refused():
                         (["--arch", "gpt", "--chunk-size", "8"], "--chunk-size does not apply to --arch gpt"),
                         (["--no-recompute"], "--no-recompute applies to the fused path only"),
                         (["--chunk-size", "8"], "--chunk-size applies to the fused path only"),
-                        (["--compile", "--chunk-size", "0"], "--chunk-size must be at least 1")]:
+                        (["--compile", "--chunk-size", "0"], "--chunk-size must be at least 1"),
+                        (["--scan-backend", "reference", "--compile"],
+                         "--scan-backend reference runs sections 2-3 as written, --compile the fused path")]:
         with pytest.raises(SystemExit, match=match):
             defaults_for(argv)
     for argv in (["--compile", "--chunk-size", "8"], ["--scan-backend", "fused", "--no-recompute"]):

@@ -620,6 +620,8 @@ def check_flags(args):
     wrong = [k for k, archs in ARCH_FLAGS.items() if k in given and args.arch not in archs]
     if wrong:
         sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to --arch {args.arch}")
+    if args.scan_backend == "reference" and args.compile:
+        sys.exit("error: --scan-backend reference runs sections 2-3 as written, --compile the fused path: choose one")
     unfused = [k for k in FUSED_FLAGS if k in given]
     if unfused and not (args.compile or args.scan_backend in FUSED_BACKENDS):
         sys.exit(f"error: {', '.join(flag(k) for k in unfused)} applies to the fused path only: add --compile "
