@@ -864,6 +864,10 @@ def bench_decode(args, device):
     threads = [1] if args.quick else [1, 2]
     shapes = {k: v for k, v in DECODE_SHAPES.items() if (not args.quick or "x 7" in k)
               and (not args.shapes or any(name in k for name in args.shapes.split(",")))}
+    if not shapes:
+        offered = [k for k in DECODE_SHAPES if not args.quick or "x 7" in k]
+        raise SystemExit(f"error: no shape{' of --quick' if args.quick else ''} matches --shapes {args.shapes!r}; "
+                         f"the shapes are: {'; '.join(offered)}")
     rows = []
     for shape, (generation, kw) in shapes.items():
         torch.manual_seed(0)
@@ -1825,6 +1829,19 @@ def check_args(p, args, tables):
         unknown = [a for a in args.archs.split(",") if a not in ROOFLINE_ARCHS]
         if unknown:
             p.error(f"--archs takes a comma-separated list of {', '.join(ROOFLINE_ARCHS)}, got {args.archs!r}")
+    try:
+        given = [f.split("=")[0] for f in shlex.split(args.flags or "") if f.startswith("--")]
+    except ValueError as err:  # an unclosed quote
+        p.error(f"--flags must be the trainer's flags as its command line takes them: {err}, in {args.flags!r}")
+    chosen = [f for f in given if f in ("--arch", "--scan-backend")]
+    if chosen:
+        p.error(f"--flags must not hold {' or '.join(chosen)}: --archs chooses the models, and roofline runs "
+                f"every scan backend of Mamba-1")
+    if "graphs" in args.what:
+        import torch._dynamo as dynamo
+        if args.backend not in dynamo.list_backends(exclude_tags=()):
+            p.error(f"--backend {args.backend!r} is not a torch.compile backend; expected eager, aot_eager, inductor "
+                    f"or another name torch._dynamo.list_backends(exclude_tags=()) gives")
     try:
         device = torch.device(args.device)
     except RuntimeError:

@@ -232,6 +232,10 @@ BAD_ARGS = [  # each refused with one usage line, before anything runs
     (["scan", "--device", "cuda:99"], "--device"),
     (["scann"], "unknown table 'scann'"), (["all", "scan"], "unknown table 'all'"),
     (["roofline", "--archs", "mamba,mamba4"], "--archs"),
+    (["roofline", "--flags", '"x'], "No closing quotation"),
+    (["roofline", "--archs", "mamba", "--flags", "--arch gpt"], "must not hold --arch"),
+    (["roofline", "--flags", "--batch-size 8 --scan-backend=pscan"], "must not hold --scan-backend"),
+    (["graphs", "--backend", "nonsense"], "--backend 'nonsense' is not a torch.compile backend"),
 ]
 
 
@@ -246,6 +250,11 @@ def test_bench_refuses_a_bad_argument_with_one_error_line_before_running(argv, n
     err = capsys.readouterr().err.strip().splitlines()
     assert ": error: " in err[-1] and named in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+def test_decode_names_its_shapes_when_none_matches(capsys):
+    with pytest.raises(SystemExit, match=r"no shape of --quick matches --shapes 'nothing'; the shapes are: mamba3"):
+        bench.main(["decode", "--quick", "--shapes", "nothing"])
 
 
 def test_a_race_verdict_needs_a_spread_over_two_runs_or_more():
