@@ -2016,7 +2016,9 @@ class MHA(nn.Module):
 
     def _attend(self, q, k, v, see):
         """q (b, L, H, d), k, v (b, T, H_kv, d), see (b, L, T) -> (b, L, H·d): softmax(scale·q·kᵀ) over
-        the keys seen, times v, by PyTorch's fused scaled_dot_product_attention."""
+        the keys seen, times v, by PyTorch's fused scaled_dot_product_attention. A NaN or inf in a
+        key or value reaches every query of its row, earlier ones too: a masked weight is a zero,
+        and zero times NaN is NaN (the chunked scans do the same within a chunk)."""
         repeat = self.num_heads // self.num_heads_kv  # query head j reads key head j // repeat
         k, v = (t.repeat_interleave(repeat, dim=2).transpose(1, 2) for t in (k, v))  # (b, H, T, d)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=see[:, None], scale=self.scale)
