@@ -54,6 +54,7 @@ scan across chunks and segsum (Mamba-2's segment sums).
 """
 
 import math
+import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -771,7 +772,9 @@ _OUR_SSM_FIELDS = {"A_activation"}
 
 
 def config_from_dict(d, **overrides):
-    """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3")."""
+    """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3").
+    ssm_cfg fields that the official Mamba3 does not take are dropped with a warning, as its **kwargs
+    drops them (at e9594ce)."""
     ssm_cfg = d.get("ssm_cfg")
     if not isinstance(ssm_cfg, dict):
         raise ValueError(f"config.json must hold ssm_cfg = {{\"layer\": \"Mamba3\", ...}}, got "
@@ -782,8 +785,9 @@ def config_from_dict(d, **overrides):
         raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
                          f"(Mamba1: mamba_minimal.MambaLM, Mamba2: mamba2_minimal.Mamba2LM)")
     unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED - _OUR_SSM_FIELDS
-    if unknown:
-        raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+    if unknown:  # the official Mamba3 takes **kwargs and drops them: the same model, said out loud
+        warnings.warn(f"config.json's ssm_cfg fields {sorted(unknown)} are not Mamba3 arguments; ignored, as the "
+                      f"official Mamba3 module ignores them")
     missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in d]
     if missing:
         raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")

@@ -916,13 +916,25 @@ def test_A_variant_losses_refuse_what_is_not_token_ids(ids, message):
 
 @pytest.mark.parametrize("ssm_cfg,message", [
     (dict(layer="Mamba2", d_state=8), "Mamba3LM loads Mamba3 only"),
-    (dict(layer="Mamba3", d_state=8, d_conv=4), r"unsupported ssm_cfg fields in config.json: \['d_conv'\]"),
     (dict(layer="Mamba3", d_state=8, rope_fraction=0.3), "rope_fraction must be 0.5 or 1.0"),
 ])
 def test_configs_that_are_not_this_model_are_refused(tmp_path, ssm_cfg, message):
     write_official_checkpoint(tmp_path, Mamba3LM(small_config()), ssm_cfg=dict(ssm_cfg, headdim=8, ngroups=2))
     with pytest.raises(ValueError, match=message):
         Mamba3LM.from_pretrained(str(tmp_path))
+
+
+def test_ssm_cfg_fields_the_official_module_ignores_are_ignored_with_a_warning(tmp_path):
+    # the official Mamba3 takes **kwargs and drops what it does not know (a Mamba-2 config's d_conv,
+    # say): the same model loads here, and the warning names the fields
+    torch.manual_seed(0)
+    model = perturbed(Mamba3LM(small_config()))
+    write_official_checkpoint(tmp_path, model, ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8, ngroups=2,
+                                                            chunk_size=4, d_conv=4, not_a_field=1))
+    with pytest.warns(UserWarning, match=r"ssm_cfg fields \['d_conv', 'not_a_field'\] are not Mamba3 arguments"):
+        loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    ids = torch.randint(0, 29, (2, 9))
+    torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
 
 
 def test_the_published_layout_with_an_mlp_after_every_mixer_loads_strictly(tmp_path):
