@@ -57,3 +57,9 @@ def test_the_readme_trainer_commands_parse_and_resolve():
     assert [] in commands and len(commands) >= 8  # the default run is one of them
     for argv in commands:
         ts.fill_defaults(ts.parse_args(argv), torch.device("cpu"))
+
+
+def test_the_readme_fits_the_front_page_budget():
+    # a front page, not a results file: measurements go to RESULTS.md
+    text = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    assert len(text.splitlines()) <= 250 and len(text.split()) <= 3000, (len(text.splitlines()), len(text.split()))
