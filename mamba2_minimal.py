@@ -425,7 +425,7 @@ class Mamba2Config:
             raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {self.A_init_range}")
         if not 0 <= self.dt_limit[0] <= self.dt_limit[1]:  # low > high would clamp every Δ to high
             raise ValueError(f"dt_limit must be (low, high) with 0 <= low <= high, got {self.dt_limit}")
-        if not mm._is_positive_number(self.norm_epsilon):  # None or a string: a TypeError, not this message
+        if not mm._is_positive_number(self.norm_epsilon):  # not `> 0` alone: None or a string would raise a TypeError
             raise ValueError(f"Mamba2Config.norm_epsilon must be positive, got {self.norm_epsilon!r}")
         mm._check_dt_init(self)
         if self.scan_backend not in pscan.BACKENDS:

@@ -926,7 +926,7 @@ def test_configs_that_are_not_this_model_are_refused(tmp_path, ssm_cfg, message)
 
 def test_ssm_cfg_fields_the_official_module_ignores_are_ignored_with_a_warning(tmp_path):
     # the official Mamba3 takes **kwargs and drops what it does not know (a Mamba-2 config's d_conv,
-    # say): the same model loads here, and the warning names the fields
+    # say): the same model loads, and the warning names the fields
     torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config()))
     write_official_checkpoint(tmp_path, model, ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8, ngroups=2,
