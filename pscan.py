@@ -314,14 +314,20 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #
 #   t:        0      1      2      3      4      5      6      7
 #   up 0      ├──────┘      ├──────┘      ├──────┘      ├──────┘       0 <- 1, 2 <- 3, 4 <- 5, 6 <- 7
+#            0:2           2:4           4:6           6:8
 #   up 1      ├─────────────┘             ├─────────────┘              the same on 0, 2, 4, 6
+#            0:4                         4:8
 #   up 2      ├───────────────────────────┘                            and on 0, 4
+#            0:8
 #   down 1                  ├─────────────┘                            2 <- 4
+#                          2:8
 #   down 0           ├──────┘      ├──────┘      ├──────┘              1 <- 2, 3 <- 4, 5 <- 6
+#                   1:8           3:8           5:8
+#
+# Element t ends with t:8 (steps t to 7, combined backwards): g_t.
 #
 # For n = 7 (off = 1, p = 3): left 1, 3, 5 receive from right 2, 4, 6 (w_left = a_2, a_4, a_6;
-# w_right = a_3, a_5); the recursion on 1, 3, 5; down 0 <- 1, 2 <- 3, 4 <- 5. test_scan.py checks it
-# against a float64 loop.
+# w_right = a_3, a_5); the recursion on 1, 3, 5; down 0 <- 1, 2 <- 3, 4 <- 5.
 
 def _brent_kung_reverse_(x, w):
     """x_t += w[t]·x_{t+1} from the last element back, in place along dim 1; returns x.
@@ -363,12 +369,10 @@ def _backward(ctx, a, h, h0, grad_h):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """A scan with the backward above: scan(x, w, *extra) is one of the scans above, extra a tuple
-    of its further arguments, reverse(x, w, *extra) its reverse-time form or None. h comes back in
-    the accumulation dtype. forward takes no ctx; setup_context receives forward's inputs and
-    output and saves what backward reads: the form (torch >= 2.0) that torch.func's transforms
-    (vmap, grad, jvp) require. Appendix A: second derivatives (the backward's create_graph branch)
-    and forward mode."""
+    """A scan with the backward above: scan(x, w, *extra) is one of the scans above, reverse(x, w,
+    *extra) its reverse-time form or None; h comes back in the accumulation dtype. forward takes no
+    ctx and setup_context saves what backward reads: the form torch.func's transforms (vmap, grad,
+    jvp) require. Appendix A: the create_graph branch (second derivatives) and forward mode."""
 
     @staticmethod
     def forward(a, b, h0, dtype, scan, extra, reverse):
@@ -391,10 +395,10 @@ class _ScanFunction(torch.autograd.Function):
 
 
 def _run(scan, a, b, h0, dtype, extra=(), reverse=None):
-    """h from the Function above with the given scan, and for its backward the scan's reverse-time
-    form in place (None: the scan on flipped copies). Eager code runs appendix A's subclass of it,
-    _ScanWithJvp, which only adds forward mode (jvp) and vmap; torch.compile cannot trace a
-    Function with a jvp, so compiled code runs _ScanFunction."""
+    """h through the Function above: scan, and reverse in place for its backward (None: scan on
+    flipped copies). Eager code runs appendix A's subclass _ScanWithJvp, which adds only forward mode
+    (jvp) and vmap, neither of which a training step uses; torch.compile cannot trace a Function with
+    a jvp, so compiled code runs _ScanFunction itself."""
     function = _ScanFunction if torch.compiler.is_compiling() else _ScanWithJvp
     return function.apply(a, b, h0, dtype, scan, extra, reverse)
 
