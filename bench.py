@@ -1867,7 +1867,7 @@ def check_args(p, args, tables):
 READING_PARTS = (  # (label, file, first line's pattern or None for line 1, the pattern it stops before)
     ("pscan.py §1", "pscan.py", None, r"# 2\. The convolution view"),
     ("pscan.py §3-5", "pscan.py", r"# 3\. The combine rule", r"# 6\. The Hillis"),
-    ("pscan.py §8-9", "pscan.py", r"# 8\. The backward", r"# Appendix: the engine"),
+    ("pscan.py §8-9", "pscan.py", r"# 8\. The backward", r"# 10\. Segment sums"),
     ("mamba_minimal.py §1-5", "mamba_minimal.py", None, r"# 6\. Making it fast"),
     ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing"),
 )
@@ -1875,6 +1875,7 @@ READING_OFF_PATH = (
     ("pscan.py §2 (optional)", "pscan.py", r"# 2\. The convolution view", r"# 3\. The combine rule"),
     ("pscan.py §6-7 (optional)", "pscan.py", r"# 6\. The Hillis", r"# 8\. The backward"),
     ("mamba_minimal.py §6", "mamba_minimal.py", r"# 6\. Making it fast", r"# 7\. Loading"),
+    ("pscan.py §10 (Mamba-2's and -3's)", "pscan.py", r"# 10\. Segment sums", r"# Appendix: the engine"),
     ("mamba2_minimal.py", "mamba2_minimal.py", None, None),
     ("mamba3_minimal.py §1-3", "mamba3_minimal.py", None, r"# 4\. The model"),
 )

@@ -9,7 +9,7 @@ softmax (state space duality, SSD), so most of the work becomes matmuls, which e
 best; a scan is left only across chunks of the sequence. Sections, in the order of the idea:
 
     1. The SSD recurrence      ssd_step(), ssd_sequential(): one step, the loop over t (the oracle)
-    2. The quadratic form      segsum(), ssd_quadratic(): the same map as one masked matrix product
+    2. The quadratic form      ssd_quadratic(): the same map as one masked matrix product
     3. Chunked SSD             ssd(): matmuls inside chunks, pscan.scan across chunks
     4. The model               Mamba2Config, the gated RMSNorm, the mixer (opt-in torch.compile), the LM
     5. Recurrent inference     prefill, an O(1) step per token, generate (Mamba-1's sampling)
@@ -35,7 +35,8 @@ B is always the input matrix, never the batch.
     T, K     chunk_size (the length of one chunk in ssd()) and the number of chunks
 
 Read mamba_minimal.py and pscan.py first: this file reuses their RMSNorm, causal conv, LM
-wrapper, sampling and checkpoint helpers, and pscan.scan for the recurrence across chunks.
+wrapper, sampling and checkpoint helpers, pscan.segsum (pscan.py section 10) for the decay mask
+and pscan.scan for the recurrence across chunks.
 """
 
 import functools
@@ -164,28 +165,18 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 # to win.
 #
 # The segment sums a_{s+1} + ... + a_t. With the prefix sums S_t = a_0 + ... + a_t they are
-# S_t - S_s: one cumsum and one subtraction (segsum_by_difference below). Exact in exact
-# arithmetic, but it subtracts two large numbers to get a small one: after t steps |S_t| grows
-# like t·|a|, and a float with 24 bits (fp32) keeps only about 7 significant digits of it. For
-# a short segment deep in a long sequence the difference loses those digits (catastrophic
-# cancellation): in fp32, S ≈ -1000 has an ulp of 6e-5, so a one-step segment a_t comes out
-# as a_t ± 6e-5 however small a_t is; in bf16 (ulp 4 at 1000) the result is noise. Measured by
-# test_mamba2.py on T = 2048 steps with a_t uniform in (-1, 0): the largest error of the decay
-# mask exp(segsum) is 5e-5 by differences against 3e-8 by segsum() in fp32, and 0.98 against
-# 2e-3 in bf16. Differences are safe when the sums stay small: short chunks (T ≤ 256) in fp32.
-# segsum() (pscan.py appendix F, shared with mamba3_minimal.py) avoids the subtraction altogether:
-# it copies a into a (T, T) matrix, keeps the entries strictly below the diagonal, and takes the
-# cumsum down each column, so entry (t, s) adds up exactly a_{s+1} .. a_t, starting from zero (the
-# official ssd_minimal.py's `segsum`). It costs O(T²) additions, which the (T, T) mask needs anyway.
-
-def segsum_by_difference(a):
-    """a (..., T) -> (..., T, T): S_t - S_s below the diagonal, -inf above. Cheap, cancels in long runs."""
-    T = a.shape[-1]
-    S = a.cumsum(-1)  # (..., T)
-    diff = S[..., :, None] - S[..., None, :]  # (..., T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()
-    return diff.masked_fill(~causal, -torch.inf)
-
+# S_t - S_s: one cumsum and one subtraction. Exact in exact arithmetic, but it subtracts two large
+# numbers to get a small one: after t steps |S_t| grows like t·|a|, and a float with 24 bits
+# (fp32) keeps only about 7 significant digits of it. For a short segment deep in a long sequence
+# the difference loses those digits (catastrophic cancellation): in fp32, S ≈ -1000 has an ulp of
+# 6e-5, so a one-step segment a_t comes out as a_t ± 6e-5 however small a_t is; in bf16 (ulp 4 at
+# 1000) the result is noise. On T = 2048 steps with a_t uniform in (-1, 0), the largest error of
+# the decay mask is 5e-5 by differences against 3e-8 by segsum in fp32, and 0.98 against 2e-3 in
+# bf16 (`python -m pytest -q -s test_mamba2.py -k cancel` prints them). So segsum (pscan.py section
+# 10, shared with mamba3_minimal.py, the official ssd_minimal.py's) sums every entry from zero: it
+# copies a into a (T, T) matrix, keeps the entries strictly below the diagonal, and takes the
+# cumsum down each column, so entry (t, s) adds up exactly a_{s+1} .. a_t. It costs O(T²)
+# additions, which the (T, T) mask needs anyway.
 
 # The same two matmuls and mask serve section 3, where they run on every chunk at once. To make
 # them batched matmuls, time goes next to last and the heads are split by group:
@@ -500,9 +491,10 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
         self.reset_ssm_parameters()
 
-    # the depthwise causal conv as d_conv shifted multiply-adds, and its one-token form on the
-    # rolling buffer: exactly Mamba-1's (they read self.cfg.d_conv and self.conv1d, which this
-    # block has too)
+    # the depthwise causal conv and its one-token form on the rolling buffer: Mamba-1's methods
+    # (they read self.cfg.d_conv and self.conv1d, which this block has too). Mamba2Config has no
+    # "reference" scan_backend, so the conv runs as _CausalConv: shifted_sum with its backward
+    # written out (mamba_minimal.py section 6), the same numbers to rounding
     causal_conv = mm.MambaMixer.causal_conv
     conv_step = mm.MambaMixer.conv_step
 

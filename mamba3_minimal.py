@@ -50,7 +50,7 @@ v is the head's input x.
 
 Read mamba_minimal.py, pscan.py and mamba2_minimal.py first. This file needs only the first two:
 it reuses mamba_minimal.py's RMSNorm, LM wrapper, sampling and checkpoint helpers, and pscan.py's
-scan across chunks and segsum (Mamba-2's segment sums).
+scan across chunks and segsum (section 10 there, the segment sums of Mamba-2).
 """
 
 import math

@@ -10,9 +10,9 @@ mamba_minimal.py §1 derives both). So a_t = Ā_t is a decay in (0, 1) (exactly 
 step, Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.
 Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the combine rule, 4 work
 and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan, 8
-the backward, 9 scan(), the entry point; a first reading can skip 2, 6 and 7. The appendix is the
-engine: A second derivatives, jvp, vmap; B torch's associative_scan; C how "auto" chooses; D
-counting combines; E input checks; F segment sums, for Mamba-2 and Mamba-3.
+the backward, 9 scan(), the entry point, 10 segment sums (for Mamba-2 and -3); a first reading can
+skip 2, 6, 7 and 10. The appendix is the engine: A second derivatives, jvp, vmap; B torch's
+associative_scan; C how "auto" chooses; D counting combines; E input checks.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
@@ -429,6 +429,30 @@ def scan(a, b, h0=None, backend="auto"):
     return functions[backend](a, b, h0)
 
 
+# ------------------------------------------------------------------------------------------------
+# 10. Segment sums: the scan as one matrix (for Mamba-2 and Mamba-3)
+# ------------------------------------------------------------------------------------------------
+# Unrolled from a zero state, h_t = Σ_{s≤t} (a_{s+1}···a_t)·b_s: h is a lower-triangular matrix
+# times the b's, entry (t, s) the a-part of the steps s+1:t+1 (section 3's notation). Mamba-2 and
+# Mamba-3 run short chunks in this form, as matmuls (mamba2_minimal.py section 2). Their decays are
+# a_t = exp(Δ_t·A), so they keep the logs, log a_t = Δ_t·A ≤ 0, and each entry is exp of a sum,
+# log a_{s+1} + ... + log a_t. segsum builds those sums, each from zero: the shortcut, a difference
+# of two running sums, loses the short sums of a long sequence to rounding (mamba2_minimal.py
+# section 2 measures it).
+
+def segsum(log_a):
+    """log_a (..., T), the log-decays -> (..., T, T) with [t, s] = log_a_{s+1} + ... + log_a_t for
+    s ≤ t (0 on the diagonal) and -inf above it, so that exp() of it is the decay mask (the official
+    ssd_minimal.py's segsum)."""
+    T = log_a.shape[-1]
+    below = torch.ones(T, T, dtype=torch.bool, device=log_a.device).tril(-1)  # s < t
+    # entry (k, s) = log_a_k if s < k, else 0
+    terms = torch.where(below, log_a.unsqueeze(-1), 0)  # (..., T, T)
+    sums = terms.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} log_a_k, down each column from zero
+    causal = torch.ones(T, T, dtype=torch.bool, device=log_a.device).tril()  # s ≤ t
+    return sums.masked_fill(~causal, -torch.inf)
+
+
 # ================================================================================================
 # Appendix: the engine. The lesson ends above; what follows makes the same scans work with
 # torch.func and second derivatives, wraps torch's own scan, picks a backend, counts combines
@@ -695,23 +719,3 @@ def _check_time_invariant_inputs(a, b, h0):
 def _check_chunk_size(chunk_size):
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
-# ------------------------------------------------------------------------------------------------
-# F. Segment sums
-# ------------------------------------------------------------------------------------------------
-# Unrolled from a zero state, h_t = Σ_{s≤t} (a_{s+1}···a_t)·b_s: a matrix times the b's, whose
-# entry (t, s) is the a-part of the steps s+1:t+1 (section 3's notation). Mamba-2 and Mamba-3 run
-# their chunks in this form, with log-decays a_t = Δ_t·A, where the product is exp of a sum
-# (mamba2_minimal.py section 2 says why this way of summing, without a subtraction).
-
-def segsum(a):
-    """a (..., T) -> (..., T, T) with [t, s] = a_{s+1} + ... + a_t for s ≤ t (0 on the diagonal)
-    and -inf above it, so that exp() of it is the decay mask. Each entry is summed from zero,
-    never as a difference of two running sums."""
-    T = a.shape[-1]
-    below = torch.ones(T, T, dtype=torch.bool, device=a.device).tril(-1)  # s < t
-    a_ks = torch.where(below, a.unsqueeze(-1), 0)  # (..., T, T): entry (k, s) = a_k if s < k, else 0
-    sums = a_ks.cumsum(-2)  # (..., T, T): entry (t, s) = Σ_{s<k≤t} a_k
-    causal = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()  # s ≤ t
-    return sums.masked_fill(~causal, -torch.inf)
