@@ -1877,7 +1877,7 @@ READING_OFF_PATH = (
     ("mamba_minimal.py §6", "mamba_minimal.py", r"# 6\. Making it fast", r"# 7\. Loading"),
     ("pscan.py §10 (Mamba-2's and -3's)", "pscan.py", r"# 10\. Segment sums", r"# Appendix: the engine"),
     ("mamba2_minimal.py", "mamba2_minimal.py", None, None),
-    ("mamba3_minimal.py §1-3", "mamba3_minimal.py", None, r"# 4\. The model"),
+    ("mamba3_minimal.py §1-4, to the mixer", "mamba3_minimal.py", None, r"# Parameters the official module creates"),
 )
 
 

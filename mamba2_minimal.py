@@ -12,7 +12,7 @@ best; a scan is left only across chunks of the sequence. Sections, in the order 
     2. The quadratic form      ssd_quadratic(): the same map as one masked matrix product
     3. Chunked SSD             ssd(): matmuls inside chunks, pscan.scan across chunks
     4. The model               Mamba2Config, the gated RMSNorm, the mixer (opt-in torch.compile), the LM
-    5. Recurrent inference     prefill, an O(1) step per token, generate (Mamba-1's sampling)
+    5. Recurrent inference     prefill, an O(1) step per token, generate (a note in Mamba2LM)
     6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
 
 Glossary (code name: paper symbol, meaning). One name, one meaning, as in mamba_minimal.py:
@@ -281,9 +281,9 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
         y: (b, L, H, P) in x's dtype; with return_last_state also the final state (b, H, P, N),
         computed in fp32 (fp64 for fp64 inputs), a tensor of its own (not a view of a larger one)
 
-    A NaN or an infinity at position t makes every output of its chunk NaN, earlier positions
-    included: the masked-out (zero) weights of (M ∘ C·Bᵀ) still multiply it, and 0·inf is NaN.
-    ssd_sequential, a loop, stays causal. Other rows of the batch are not touched.
+    A NaN or an infinity at position t also makes the earlier outputs of its chunk NaN, in the heads
+    that read it: the masked-out (zero) weights of (M ∘ C·Bᵀ) still multiply it, and 0·NaN and 0·inf
+    are NaN. ssd_sequential, a loop, stays causal. Other rows of the batch are not touched.
     """
     _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size)
     if scan_backend not in pscan.BACKENDS:

@@ -22,7 +22,7 @@ RMSNorm and get a learned per-head bias. Sections, in the order of the idea:
                                rotate(): complex states as rotations of q and k
     3. The chunked form        mamba3_chunked(): matmuls inside chunks, pscan.scan across chunks
     4. The model               Mamba3Config, Mamba3Mixer (the official Mamba3 block), Mamba3LM
-    5. Recurrent inference     the (angle, ssm, k, v) cache and an O(1) step per token
+    5. Recurrent inference     the (angle, ssm, k, v) cache and an O(1) step per token (a note in Mamba3LM)
     6. Loading checkpoints     from_pretrained() for the official MambaLMHeadModel layout
 
 Glossary (code name: paper symbol, meaning). One name, one meaning. The SSM is written as linear
@@ -211,7 +211,8 @@ def scalar_ode_step(rule, h, A, dt, u_prev, u_now, lam=0.5):
 # Complex states as rotations. A real diagonal A can only decay; a complex one,
 # A + iθ, also turns each state entry around the origin, which lets the model count and track
 # parity-like features. Take one pair of state columns as one complex number. With a key pair
-# (k_0, k_1) written κ_k = k_0 − i·k_1 and a query pair κ_q = q_0 + i·q_1, the complex recurrence
+# (k_0, k_1) written κ_k = k_0 − i·k_1 and a query pair κ_q = q_0 + i·q_1 (the key conjugated, so
+# that Re(κ_q·κ_k) = q_0·k_0 + q_1·k_1, the dot product a real state computes), the complex recurrence
 #
 #     g_t = exp(Δ_t·(A_t + iθ_t))·g_{t-1} + ... + γ_t·v_t·κ_{k,t},      y_t = Re(κ_{q,t}·g_t)
 #
@@ -305,8 +306,8 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
     Returns:
         y (b, L, R, H, P) in fp32 at least (fp64 for fp64 inputs); with return_state also the state
 
-    As in ssd (mamba2_minimal.py), a NaN or an infinity at position t makes its whole chunk NaN,
-    earlier positions included (the zero weights of W multiply it); mamba3_sequential stays causal.
+    As in ssd (mamba2_minimal.py), a NaN or an infinity at position t also makes the earlier outputs
+    of its chunk NaN (the zero weights of W multiply it); mamba3_sequential stays causal.
     """
     _check_mamba3_inputs(q, k, v, dt, adt, lam, theta, q_bias, k_bias, D, mimo_x, state, pairing, chunk_size)
     if scan_backend not in pscan.BACKENDS:
@@ -580,7 +581,7 @@ class Mamba3Mixer(nn.Module):
     def reset_ssm_parameters(self):
         """The official init: Δ log-uniform in [dt_min, dt_max], floored, stored through the inverse
         softplus in dt_bias; B and C biases 1; D = 1; mimo_x = mimo_o = 1/R and mimo_z = 1, so that
-        at the start the R ranks average to a SISO head."""
+        at the start the R ranks average to a SISO head whose skip D is divided by R."""
         cfg, H, R = self.cfg, self.cfg.nheads, self.cfg.rank
         self.dt_bias.copy_(mm.dt_bias_init(H, cfg))
         self.B_bias.fill_(1.0)
@@ -730,12 +731,6 @@ class Mamba3LM(mm.MambaLM):
     # prompt and returns the four; each further token is one O(1) step, section 1's mamba3_step on
     # the cache (Mamba3Mixer.step). MambaLM's generate and generate_stream run unchanged, and
     # prefill(ids, cache=cache) continues a cache: mamba3_chunked starts from its four tensors.
-
-    @torch.no_grad()
-    def step(self, token_ids, cache):
-        """token_ids (b,) -> logits (b, V); advances the cache in place, O(1) in the position."""
-        mm._check_step_inputs(self, token_ids, cache)
-        return self._step(token_ids, cache)
 
     @classmethod
     def from_pretrained(cls, path, device=None, dtype=None, **overrides):

@@ -953,7 +953,7 @@ def test_the_published_layout_with_an_mlp_after_every_mixer_loads_strictly(tmp_p
 
 
 def test_a_non_finite_input_poisons_its_chunk_and_later_ones_but_no_earlier_chunk():
-    # mamba3_chunked's docstring, as ssd's: an inf at t reaches every output of its chunk, earlier
+    # mamba3_chunked's docstring, as ssd's: an inf at t makes earlier outputs of its chunk NaN; earlier
     # chunks and other rows stay as they were, the loop stays causal
     inputs = mamba3_inputs(b=2, L=13, seed=4)
     poisoned = dict(inputs, v=inputs["v"].clone())
