@@ -14,6 +14,7 @@ best; a scan is left only across chunks of the sequence. Sections, in the order 
     4. The model               Mamba2Config, the gated RMSNorm, the mixer (opt-in torch.compile), the LM
     5. Recurrent inference     prefill, an O(1) step per token, generate (a note in Mamba2LM)
     6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
+    Appendix: input checks
 
 Glossary (code name: paper symbol, meaning). One name, one meaning, as in mamba_minimal.py:
 B is always the input matrix, never the batch.
@@ -69,37 +70,6 @@ from pscan import segsum
 # each group (head j uses group j // (H/G)): the paper's grouped-value attention (§7.2), where a
 # group's heads share its queries C and keys B and each head has its own values x (grouped-query
 # attention shares keys and values instead).
-
-def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
-    """Raise ValueError naming what was expected."""
-    named = {"x": x, "dt": dt, "A": A, "B": B, "C": C}
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got "
-                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if x.dim() != 4:
-        raise ValueError(f"x must have shape (b, L, H, P), got {tuple(x.shape)}")
-    b, L, H, P = x.shape
-    if L == 0:
-        raise ValueError(f"the sequence length must be at least 1, got x of shape {tuple(x.shape)}")
-    if B.dim() != 4 or tuple(B.shape[:2]) != (b, L):
-        raise ValueError(f"B must have shape (b, L, G, N) = ({b}, {L}, G, N), got {tuple(B.shape)}")
-    G, N = B.shape[2:]
-    if G == 0:
-        raise ValueError(f"B and C must have at least one group G, got shape {tuple(B.shape)}")
-    if H % G != 0:
-        raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
-    if not mm._is_positive_int(chunk_size):
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    expected = {"dt": (b, L, H), "A": (H,), "C": (b, L, G, N), "D": (H,), "h0": (b, H, P, N)}
-    for name, t in (("dt", dt), ("A", A), ("C", C), ("D", D), ("h0", h0)):
-        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != expected[name]):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must have shape {expected[name]}, got {got}")
-    for name, t in list(named.items()) + [("D", D), ("h0", h0)]:
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} must be on {x.device} like x, got {t.device}")
-
 
 @_without_autocast
 def ssd_step(h, x_t, dt_t, A, B_t, C_t):
@@ -314,13 +284,7 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
-        if torch.compiler.is_compiling() and x.device.type == "cpu":
-            # compiled on a CPU, step 2 starts a new graph: for one graph holding steps 1 and 2 of
-            # several chunks, torch 2.13's C++ backend makes a backward that corrupts the heap
-            # (glibc aborts, "double free or corruption", at 4 heads of 16, N 8, two chunks of 8).
-            # CUDA's Triton backend is another code generator: there the graph is one
-            # (test_model.py's compiled CUDA test runs two chunks)
-            torch._dynamo.graph_break()
+        _cpu_graph_break(x)  # compiled on a CPU only: a torch 2.13 workaround (section 4)
         # 2. every chunk's end state E_k from a zero state, input t decayed by a_{t+1} + ... + a_{T-1}
         decay_from_start = torch.exp(a.cumsum(-1))  # (b, K, G, H/G, T)  exp(a_0 + ... + a_t)
         to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, K, G, H/G, T)
@@ -603,6 +567,16 @@ class Mamba2Mixer(nn.Module):
         return self._finish(y.flatten(-2), z, z0, x0)  # (b, d_model)
 
 
+def _cpu_graph_break(x):
+    """Under torch.compile on a CPU, start a new graph before ssd's step 2: for one graph holding
+    steps 1 and 2 of several chunks, torch 2.13's C++ backend makes a backward that corrupts the
+    heap (glibc aborts, "double free or corruption", at 4 heads of 16, N 8, two chunks of 8).
+    CUDA's Triton backend is another code generator: there the graph stays one (test_model.py's
+    compiled CUDA test runs two chunks)."""
+    if torch.compiler.is_compiling() and x.device.type == "cpu":
+        torch._dynamo.graph_break()
+
+
 @functools.cache
 def _compiled_forward(device_type):
     """Mamba2Mixer._forward through torch.compile (static shapes), made once per device type and
@@ -734,3 +708,38 @@ def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
     mm._check_load_arguments(Mamba2Config, dtype, overrides)
     folder = mm._resolve_folder(path_or_id)
     return mm.load_weights(cls, config_from_dict(mm.read_config_json(folder), **overrides), folder, device, dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Appendix: input checks
+# ------------------------------------------------------------------------------------------------
+
+def _check_ssd_inputs(x, dt, A, B, C, D, h0, chunk_size=1):
+    """Raise ValueError naming what was expected."""
+    named = {"x": x, "dt": dt, "A": A, "B": B, "C": C}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape (b, L, H, P), got {tuple(x.shape)}")
+    b, L, H, P = x.shape
+    if L == 0:
+        raise ValueError(f"the sequence length must be at least 1, got x of shape {tuple(x.shape)}")
+    if B.dim() != 4 or tuple(B.shape[:2]) != (b, L):
+        raise ValueError(f"B must have shape (b, L, G, N) = ({b}, {L}, G, N), got {tuple(B.shape)}")
+    G, N = B.shape[2:]
+    if G == 0:
+        raise ValueError(f"B and C must have at least one group G, got shape {tuple(B.shape)}")
+    if H % G != 0:
+        raise ValueError(f"the number of heads H = {H} must be a multiple of the number of groups G = {G}")
+    if not mm._is_positive_int(chunk_size):
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    expected = {"dt": (b, L, H), "A": (H,), "C": (b, L, G, N), "D": (H,), "h0": (b, H, P, N)}
+    for name, t in (("dt", dt), ("A", A), ("C", C), ("D", D), ("h0", h0)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != expected[name]):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape {expected[name]}, got {got}")
+    for name, t in list(named.items()) + [("D", D), ("h0", h0)]:
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} must be on {x.device} like x, got {t.device}")

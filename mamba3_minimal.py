@@ -24,6 +24,7 @@ RMSNorm and get a learned per-head bias. Sections, in the order of the idea:
     4. The model               Mamba3Config, Mamba3Mixer (the official Mamba3 block), Mamba3LM
     5. Recurrent inference     the (angle, ssm, k, v) cache and an O(1) step per token (a note in Mamba3LM)
     6. Loading checkpoints     from_pretrained() for the official MambaLMHeadModel layout
+    Appendix                   the angle in fp32; input checks
 
 Glossary (code name: paper symbol, meaning). One name, one meaning. The SSM is written as linear
 attention, as the official kernels are: the query q is the paper's C, the key k is B, the value
@@ -73,11 +74,8 @@ PAIRINGS = ("adjacent", "halves")
 # ------------------------------------------------------------------------------------------------
 # 1. The recurrence
 # ------------------------------------------------------------------------------------------------
-# One head, one token (the paper's recurrence, as the official Mamba3.step computes it, and the
-# official tests' mamba3_siso_step_ref for SISO; their mamba3_MIMO_step_ref rotates adjacent
-# entries, where Mamba3.step, the MIMO kernels and this file rotate entry j with j + N/2 for
-# MIMO. The mod 2π is this file's and the official forward kernels': section 2 says why, and
-# that Mamba3.step leaves it out):
+# One head, one token, the paper's recurrence (as the official Mamba3.step and the official tests'
+# mamba3_siso_step_ref compute it; section 2 on which entries of q and k pair up, and on the mod 2π):
 #
 #     angle_t = angle_{t-1} + Δ_t·θ_t  (mod 2π)            one angle per rotated pair of q and k
 #     q̃_t, k̃_t = q_t, k_t (plus their per-head bias) rotated by angle_t    (section 2)
@@ -228,20 +226,14 @@ def scalar_ode_step(rule, h, A, dt, u_prev, u_now, lam=0.5):
 #
 # The angle itself is the fourth part of the recurrent state, and only its value mod 2π matters
 # to cos and sin. This file keeps it in [0, 2π) at every token, in the loop, the step and the
-# chunked form, as the official forward kernels do (angle_dt in ops/triton/mamba3/angle_dt.py
-# takes each cumsum and the carried sum mod 2π). The official Mamba3.step does not: its rotary
-# kernel (apply_rotary_qk_inference_fwd in ops/triton/mamba3/mamba3_mimo_rotary_step.py) stores
-# angle + π·tanh(·)·Δ as it is, so during generation the stored fp32 angle grows by up to π·Δ
-# per token, and every later step rounds at its size (an fp32 ulp is 4.9e-4 at 5,000 rad).
-# Reduced, a step rounds at the size of 2π (an ulp of 4.8e-7). The two give the same outputs up
-# to that rounding, since cos and sin are periodic. One error the reduction cannot remove: fp32's
-# 2π is 1.7e-7 above the true one, so each wrap lowers the absolute angle by that much, about
-# 1e-3 rad after 65,536 tokens turning 0.7 rad each; the outputs see only differences of angles,
-# whose share is the wraps between the two tokens.
+# chunked form, as the official forward kernels do (angle_dt in ops/triton/mamba3/angle_dt.py);
+# the official Mamba3.step does not reduce it. The same outputs up to rounding, which the
+# reduction keeps small in fp32 (the appendix, "The angle in fp32").
 #
 # Which entries pair up is a convention of the official kernels: the SISO path rotates adjacent
-# entries (2j, 2j + 1), the MIMO path entries j and j + N/2 (their `rotate_pairwise` flag). Only
-# the first S pairs rotate (rope_fraction of the state); the rest keep their phase.
+# entries (2j, 2j + 1), the MIMO path (Mamba3.step and the MIMO kernels) entries j and j + N/2
+# (their `rotate_pairwise` flag; the official tests' mamba3_MIMO_step_ref pairs adjacent ones).
+# Only the first S pairs rotate (rope_fraction of the state); the rest keep their phase.
 
 def rotate(t, angle, pairing="adjacent"):
     """Rotate the first S pairs of t's last dim by angle. t (..., N), angle (..., S) broadcasting
@@ -328,7 +320,8 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
         reset = F.pad(reset, (0, pad))  # (b, L')
         adt = torch.where(reset[..., None], -torch.inf, adt)
 
-    # the accumulated angles: a cumsum inside each chunk, plus each chunk's start. The starts add up
+    # the accumulated angles, cumsum(Δ·θ) mod 2π over the sequence, computed as a cumsum inside each
+    # chunk plus each chunk's start. The starts add up
     # the earlier chunks' turns, each reduced mod 2π first: their sum grows by at most 2π a chunk,
     # not by the raw turn of a chunk (which can be many times 2π), so it is rounded at a smaller
     # size; it is reduced again before it meets a chunk's cumsum
@@ -850,6 +843,20 @@ def A_variant_losses(path_or_model, input_ids, **load_kwargs):
     finally:
         cfg.A_activation = kept
     return losses
+
+
+# ------------------------------------------------------------------------------------------------
+# Appendix: the angle in fp32
+# ------------------------------------------------------------------------------------------------
+# Section 2 keeps every angle mod 2π. The official Mamba3.step does not: its rotary kernel
+# (apply_rotary_qk_inference_fwd in ops/triton/mamba3/mamba3_mimo_rotary_step.py) stores
+# angle + π·tanh(·)·Δ as it is, so during generation the stored fp32 angle grows by up to π·Δ per
+# token, and every later step rounds at its size (an fp32 ulp is 4.9e-4 at 5,000 rad). Reduced, a
+# step rounds at the size of 2π (an ulp of 4.8e-7). The two give the same outputs up to that
+# rounding, since cos and sin are periodic. One error the reduction cannot remove: fp32's 2π is
+# 1.7e-7 above the true one, so each wrap lowers the absolute angle by that much, about 1e-3 rad
+# after 65,536 tokens turning 0.7 rad each; the outputs see only differences of angles, whose
+# share is the wraps between the two tokens.
 
 
 # ------------------------------------------------------------------------------------------------
