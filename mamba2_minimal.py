@@ -28,7 +28,7 @@ B is always the input matrix, never the batch.
     dt       Δ, the step size after softplus, per token/head   (b, L, H)
     dt_raw   in_proj's Δ output, before dt_bias and softplus   (b, L, H)
     A        a negative scalar per head                        (H,)
-    a        Δ·A, a log-decay ≤ 0; exp(a) is pscan.py's a      (b, L, H)
+    adt      Δ·A, the log-decay ≤ 0; exp(adt) is pscan.py's a  (b, L, H)
     B, C     input and output projections of the state         (b, L, G, N)
     D        the skip y += D·x, per head (never d_model)       (H,)
     h        the state of one head, a P x N matrix             (b, H, P, N)
@@ -118,13 +118,13 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 # Unroll the recurrence from h_{-1} = 0: each input s ≤ t reaches step t decayed by every step
 # in between,
 #
-#     h_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·Δ_s·x_s·B_sᵀ       a_t = Δ_t·A_h, a log-decay ≤ 0
-#     y_t = h_t·C_t = Σ_{s≤t} exp(a_{s+1} + ... + a_t)·(C_t·B_s)·Δ_s·x_s
+#     h_t = Σ_{s≤t} exp(adt_{s+1} + ... + adt_t)·Δ_s·x_s·B_sᵀ       adt_t = Δ_t·A_h ≤ 0, a log-decay
+#     y_t = h_t·C_t = Σ_{s≤t} exp(adt_{s+1} + ... + adt_t)·(C_t·B_s)·Δ_s·x_s
 #
-# (pscan.py's multiplier is exp(a_t), not a_t.) For a sequence of T steps that is one matrix
+# (pscan.py's multiplier a_t is exp(adt_t).) For a sequence of T steps that is one matrix
 # product (paper sections 3 to 5, "state space duality"):
 #
-#     Y = (M ∘ C·Bᵀ)·(Δ·X)        M[t, s] = exp(a_{s+1} + ... + a_t) for s ≤ t, 0 above
+#     Y = (M ∘ C·Bᵀ)·(Δ·X)        M[t, s] = exp(adt_{s+1} + ... + adt_t) for s ≤ t, 0 above
 #
 # This is causal linear attention with queries C, keys B and values Δ·X (the official
 # mamba2_simple.py: "X, B, C correspond to V, K, Q"), with the softmax replaced by the decay
@@ -134,18 +134,18 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 # with a decay per channel and state entry: one mask for each of its ED·N entries, and no matmul
 # to win.
 #
-# The segment sums a_{s+1} + ... + a_t. With the prefix sums S_t = a_0 + ... + a_t they are
+# The segment sums adt_{s+1} + ... + adt_t. With the prefix sums S_t = adt_0 + ... + adt_t they are
 # S_t - S_s: one cumsum and one subtraction. Exact in exact arithmetic, but it subtracts two large
-# numbers to get a small one: after t steps |S_t| grows like t·|a|, and a float with 24 bits
+# numbers to get a small one: after t steps |S_t| grows like t·|adt|, and a float with 24 bits
 # (fp32) keeps only about 7 significant digits of it. For a short segment deep in a long sequence
 # the difference loses those digits (catastrophic cancellation): in fp32, S ≈ -1000 has an ulp of
-# 6e-5, so a one-step segment a_t comes out as a_t ± 6e-5 however small a_t is; in bf16 (ulp 4 at
-# 1000) the result is noise. On T = 2048 steps with a_t uniform in (-1, 0), the largest error of
+# 6e-5, so a one-step segment adt_t comes out as adt_t ± 6e-5 however small adt_t is; in bf16 (ulp 4 at
+# 1000) the result is noise. On T = 2048 steps with adt_t uniform in (-1, 0), the largest error of
 # the decay mask is 5e-5 by differences against 3e-8 by segsum in fp32, and 0.98 against 2e-3 in
 # bf16 (`python -m pytest -q -s test_mamba2.py -k cancel` prints them). So segsum (pscan.py section
 # 10, shared with mamba3_minimal.py, the official ssd_minimal.py's) sums every entry from zero: it
-# copies a into a (T, T) matrix, keeps the entries strictly below the diagonal, and takes the
-# cumsum down each column, so entry (t, s) adds up exactly a_{s+1} .. a_t. It costs O(T²)
+# copies adt into a (T, T) matrix, keeps the entries strictly below the diagonal, and takes the
+# cumsum down each column, so entry (t, s) adds up exactly adt_{s+1} .. adt_t. It costs O(T²)
 # additions, which the (T, T) mask needs anyway.
 
 # The same two matmuls and mask serve section 3, where they run on every chunk at once. To make
@@ -176,13 +176,13 @@ def _time_major(y):
     return y.reshape(*y.shape[:-3], y.shape[-3] * y.shape[-2], y.shape[-1])
 
 
-def _quadratic(xdt, a, B, C):
+def _quadratic(xdt, adt, B, C):
     """Y = (M ∘ C·Bᵀ)·(Δ·X) from a zero state, batched over any leading dims.
 
-    xdt: (..., G, H/G, T, P) = Δ·x;  a: (..., G, H/G, T) = Δ·A, log-decays;  B, C: (..., G, 1, T, N)
+    xdt: (..., G, H/G, T, P) = Δ·x;  adt: (..., G, H/G, T) = Δ·A, log-decays;  B, C: (..., G, 1, T, N)
     -> y: (..., G, H/G, T, P)
     """
-    decay = torch.exp(segsum(a))  # (..., G, H/G, T, T)  the mask M, one per head
+    decay = torch.exp(segsum(adt))  # (..., G, H/G, T, T)  the mask M, one per head
     scores = C @ B.transpose(-1, -2)  # (..., G, 1, T, T)   C_t·B_s, one per group
     return (decay * scores) @ xdt  # (..., G, H/G, T, P)
 
@@ -196,8 +196,8 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
     x, dt, A, B, C = _in_compute_dtype(x, dt, A, B, C)
     G = B.shape[2]
     xdt = _heads_by_group(x * dt[..., None], G)  # (b, G, H/G, L, P)
-    a = _heads_by_group_scalar(dt * A, G)  # (b, G, H/G, L)  log-decays
-    y = _time_major(_quadratic(xdt, a, _groups_over_heads(B), _groups_over_heads(C)))  # (b, L, H, P)
+    adt = _heads_by_group_scalar(dt * A, G)  # (b, G, H/G, L)  log-decays
+    y = _time_major(_quadratic(xdt, adt, _groups_over_heads(B), _groups_over_heads(C)))  # (b, L, H, P)
     if D is not None:
         y = y + D.to(x.dtype)[:, None] * x
     return y.to(out_dtype)
@@ -213,18 +213,18 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 # the steps are t = 0 .. T-1, as in section 2; chunk k ends in the state h_k, and h_{-1} = h0.
 #
 #   1. inside each chunk, the quadratic form from a zero state: (T, T) matmuls, all chunks at once
-#   2. each chunk's end state from a zero start: E_k = Σ_s exp(a_{s+1} + ... + a_{T-1})·Δ_s·x_s·B_sᵀ
-#   3. across chunks, h_k = exp(a_0 + ... + a_{T-1})·h_{k-1} + E_k: the first-order recurrence of
+#   2. each chunk's end state from a zero start: E_k = Σ_s exp(adt_{s+1} + ... + adt_{T-1})·Δ_s·x_s·B_sᵀ
+#   3. across chunks, h_k = exp(adt_0 + ... + adt_{T-1})·h_{k-1} + E_k: the first-order recurrence of
 #      pscan.py over the chunk index (its multiplier the chunk's whole decay), run with
 #      pscan.scan. There are only K = L/T steps, each a whole (H, P, N) state.
-#   4. each chunk's output from its carried-in state: y_t += exp(a_0 + ... + a_t)·h_{k-1}·C_t
+#   4. each chunk's output from its carried-in state: y_t += exp(adt_0 + ... + adt_t)·h_{k-1}·C_t
 #
 # Only step 3 is a recurrence, and it is T times shorter than the sequence. ssd_minimal.py
 # runs it as one more quadratic form, over chunks (K² work), the official Triton kernels as a
 # loop over chunks; pscan.scan does it in O(K) work, as a loop or as a tree (pscan.py).
 #
-# The decays within a chunk: step 4's prefix sums a_0 + ... + a_t are a plain cumsum, and step
-# 2's suffix sums a_{t+1} + ... + a_{T-1} a reversed cumsum, so neither subtracts one cumsum from
+# The decays within a chunk: step 4's prefix sums adt_0 + ... + adt_t are a plain cumsum, and step
+# 2's suffix sums adt_{t+1} + ... + adt_{T-1} a reversed cumsum, so neither subtracts one cumsum from
 # another (section 2). ssd_minimal.py takes step 2's as S_{T-1} - S_t, which is fine for T ≤ 256
 # in fp32 too; ssd() needs no such argument.
 #
@@ -270,27 +270,27 @@ def ssd(x, dt, A, B, C, chunk_size, D=None, h0=None, return_last_state=False, sc
     if pad:  # identity steps: Δ = 0 (and x, B, C = 0, so nothing is read or written)
         x, dt, B, C = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
     n_chunks = (L + pad) // T  # K
-    a = dt * A  # (b, L', H)  log-decays
-    if reset is not None:  # the decay exp(a) = 0: nothing of the earlier sequence reaches this one
-        a = torch.where(F.pad(reset, (0, pad))[..., None], -torch.inf, a)
+    adt = dt * A  # (b, L', H)  log-decays
+    if reset is not None:  # the decay exp(adt) = 0: nothing of the earlier sequence reaches this one
+        adt = torch.where(F.pad(reset, (0, pad))[..., None], -torch.inf, adt)
     xdt = _heads_by_group((x * dt[..., None]).reshape(b, n_chunks, T, H, P), G)  # (b, K, G, H/G, T, P)
-    a = _heads_by_group_scalar(a.reshape(b, n_chunks, T, H), G)  # (b, K, G, H/G, T)
+    adt = _heads_by_group_scalar(adt.reshape(b, n_chunks, T, H), G)  # (b, K, G, H/G, T)
     Bc = _groups_over_heads(B.reshape(b, n_chunks, T, G, N))  # (b, K, G, 1, T, N)
     Cc = _groups_over_heads(C.reshape(b, n_chunks, T, G, N))  # (b, K, G, 1, T, N)
 
     # 1. every chunk on its own, from a zero state
-    y = _quadratic(xdt, a, Bc, Cc)  # (b, K, G, H/G, T, P)
+    y = _quadratic(xdt, adt, Bc, Cc)  # (b, K, G, H/G, T, P)
 
     # Steps 2-4 matter only when a state is carried into some chunk or is asked for: with one
     # chunk, no h0 and no final state (training with L = chunk_size) step 1 is the whole answer.
     if n_chunks > 1 or h0 is not None or return_last_state:
         _cpu_graph_break(x)  # compiled on a CPU only: a torch 2.13 workaround (section 4)
-        # 2. every chunk's end state E_k from a zero state, input t decayed by a_{t+1} + ... + a_{T-1}
-        decay_from_start = torch.exp(a.cumsum(-1))  # (b, K, G, H/G, T)  exp(a_0 + ... + a_t)
-        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, K, G, H/G, T)
+        # 2. every chunk's end state E_k from a zero state, input t decayed by adt_{t+1} + ... + adt_{T-1}
+        decay_from_start = torch.exp(adt.cumsum(-1))  # (b, K, G, H/G, T)  exp(adt_0 + ... + adt_t)
+        to_end = F.pad(adt[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, K, G, H/G, T)
         states = (xdt * torch.exp(to_end)[..., None]).transpose(-1, -2) @ Bc  # (b, K, G, H/G, P, N)
 
-        # 3. across chunks: h_k = exp(a_0 + ... + a_{T-1})·h_{k-1} + E_k, with pscan.scan over k
+        # 3. across chunks: h_k = exp(adt_0 + ... + adt_{T-1})·h_{k-1} + E_k, with pscan.scan over k
         chunk_decay = decay_from_start[..., -1, None, None].expand_as(states)  # (b, K, G, H/G, P, N)
         h_start = None if h0 is None else h0.to(x.dtype).reshape(b, G, H // G, P, N)  # (b, G, H/G, P, N)
         h = pscan.scan(chunk_decay, states, h_start, backend=scan_backend)  # (b, K, G, H/G, P, N)

@@ -264,11 +264,11 @@ def rotate(t, angle, pairing="adjacent"):
 # γ_s, and again at step s+1 with β_{s+1} = α_{s+1}·σ_{s+1}, where σ_t = (1 − λ_t)·Δ_t; both then
 # decay to t. So its weight in h_t is
 #
-#     exp(a_{s+1} + ... + a_t)·(γ_s + σ_{s+1})   for t > s,     γ_s   for t = s      (a = Δ·A)
+#     exp(adt_{s+1} + ... + adt_t)·(γ_s + σ_{s+1})   for t > s,     γ_s   for t = s      (adt = Δ·A)
 #
 # and inside a chunk, from a zero state, y = (W ∘ Q·Kᵀ)·V with the (T, T) mask
 #
-#     W[t, s] = exp(a_{s+1} + ... + a_t)·(γ_s + σ_{s+1}) below the diagonal, γ_t on it, 0 above.
+#     W[t, s] = exp(adt_{s+1} + ... + adt_t)·(γ_s + σ_{s+1}) below the diagonal, γ_t on it, 0 above.
 #
 # (The official fwd reference builds the same from a mask with γ_s + σ_{s+1} everywhere and then
 # subtracts σ_{t+1}·(q_t·k_t)·v_t; setting the diagonal directly subtracts nothing.) With rank R,
@@ -277,8 +277,8 @@ def rotate(t, angle, pairing="adjacent"):
 # Across chunks, what is carried is not h at a chunk's end e but g_e = h_e + σ_{e+1}·v_e·k_eᵀ:
 # the last token's contribution that step e+1 will add, before α_{e+1} (which the carried state
 # gets like every decay). Then chunk c's end value is g_c = exp(a over chunk c)·g_{c-1} + E_c,
-# E_c = Σ_s exp(a_{s+1} + ... + a_{T-1})·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
-# and y_t gains exp(a_0 + ... + a_t)·g_{c-1}·q_t (steps t = 0 .. T-1 inside a chunk). An initial state enters as
+# E_c = Σ_s exp(adt_{s+1} + ... + adt_{T-1})·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
+# and y_t gains exp(adt_0 + ... + adt_t)·g_{c-1}·q_t (steps t = 0 .. T-1 inside a chunk). An initial state enters as
 # g_{-1} = h0 + σ_0·v_prev·k_prevᵀ. At the sequence end there is no next token, σ_L = 0, so
 # the last g is the final h exactly. Any L: the last chunk is padded with identity steps
 # (Δ = 0, so α = 1 and β = γ = σ = 0), which change neither y nor the state.
@@ -352,7 +352,7 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
         return t.unflatten(1, (n_chunks, T)).movedim(3, 2) if t.dim() == 3 else \
             t.unflatten(1, (n_chunks, T)).movedim(-2, 2)
 
-    a = chunks(adt)  # (b, c, H, T)
+    adt_c = chunks(adt)  # (b, c, H, T)
     weight = chunks(gamma + sigma_next)  # (b, c, H, T)
     # positions (t, r) side by side: (b, c, H, T·R, ·)
     Q = chunks(q).flatten(3, 4)  # (b, c, H, T·R, N)
@@ -361,7 +361,7 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
 
     # 1. inside each chunk, from a zero state: y = (W ∘ Q·Kᵀ)·V
     below = torch.ones(T, T, dtype=torch.bool, device=v.device).tril(-1)
-    W = torch.where(below, torch.exp(segsum(a)) * weight[..., None, :], 0)  # (b, c, H, T, T)
+    W = torch.where(below, torch.exp(segsum(adt_c)) * weight[..., None, :], 0)  # (b, c, H, T, T)
     W = W + torch.diag_embed(chunks(gamma))  # γ_t on the diagonal
     if R > 1:
         W = W.repeat_interleave(R, dim=-2).repeat_interleave(R, dim=-1)  # (b, c, H, T·R, T·R)
@@ -370,12 +370,12 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
     # Steps 2-4 matter only when a state comes in, goes out, or crosses a chunk boundary
     if n_chunks > 1 or state is not None or return_state:
         # 2. each chunk's end value E_c from a zero state
-        to_end = F.pad(a[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, H, T)  a_{s+1} + ... + a_{T-1}
+        to_end = F.pad(adt_c[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, H, T)  adt_{s+1} + ... + adt_{T-1}
         w_end = (torch.exp(to_end) * weight).repeat_interleave(R, dim=-1)  # (b, c, H, T·R)
         ends = (V * w_end[..., None]).transpose(-1, -2) @ K  # (b, c, H, P, N)
 
         # 3. across chunks: g_c = exp(a over chunk c)·g_{c-1} + E_c
-        decay_from_start = torch.exp(a.cumsum(-1))  # (b, c, H, T)  exp(a_0 + ... + a_t)
+        decay_from_start = torch.exp(adt_c.cumsum(-1))  # (b, c, H, T)  exp(adt_0 + ... + adt_t)
         chunk_decay = decay_from_start[..., -1, None, None].expand_as(ends)  # (b, c, H, P, N)
         g0 = None
         if state is not None:
