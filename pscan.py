@@ -434,11 +434,11 @@ def scan(a, b, h0=None, backend="auto"):
 # ------------------------------------------------------------------------------------------------
 # Unrolled from a zero state, h_t = Σ_{s≤t} (a_{s+1}···a_t)·b_s: h is a lower-triangular matrix
 # times the b's, entry (t, s) the a-part of the steps s+1:t+1 (section 3's notation). Mamba-2 and
-# Mamba-3 run short chunks in this form, as matmuls (mamba2_minimal.py section 2). Their decays are
-# a_t = exp(Δ_t·A), so they keep the logs, log a_t = Δ_t·A ≤ 0 (their adt), and each entry is exp of a sum,
-# log a_{s+1} + ... + log a_t. segsum builds those sums, each from zero: the shortcut, a difference
-# of two running sums, loses the short sums of a long sequence to rounding (mamba2_minimal.py
-# section 2 measures it).
+# Mamba-3 run short chunks in this form, as matmuls (mamba2_minimal.py section 2). Their decays
+# are a_t = exp(Δ_t·A), so they keep the logs, log a_t = Δ_t·A ≤ 0 (their adt), and each entry is
+# exp of a sum, log a_{s+1} + ... + log a_t. segsum builds those sums, each from zero: the
+# shortcut, a difference of two running sums, loses the short sums of a long sequence to rounding
+# (mamba2_minimal.py section 2 measures it).
 
 def segsum(log_a):
     """log_a (..., T), the log-decays -> (..., T, T) with [t, s] = log_a_{s+1} + ... + log_a_t for
