@@ -461,11 +461,17 @@ def test_score_is_the_mean_loss_of_the_text_whatever_the_window(tmp_path, capsys
 @pytest.mark.parametrize("flags, message", [
     (["--device", "foo"], "--device foo is not a device name"),
     (["--device", "cuda:99"], "--device cuda:99: torch finds"),
+    (["--device", "cuda"], "--device cuda: torch finds 0 cuda device(s)"),  # the usual mistake: no GPU at all
     (["--threads", "-1"], "--threads must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),  # 0 is falsy: it would be skipped silently
     (["--text", "missing.txt"], "error: cannot read --text missing.txt"),
+    (["--text", "."], "error: cannot read --text .: "),  # a folder
+    (["--text", "latin1.txt"], "error: cannot read --text latin1.txt: 'utf-8' codec can't decode"),
 ])
 def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tokenizer, monkeypatch, flags, message):
     tiny(1).save_pretrained(tmp_path)
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))  # not UTF-8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same answer on a machine with a GPU
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         pretrained.main(["score", str(tmp_path), "--text", "text.txt"] + flags)
@@ -476,8 +482,11 @@ def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tok
     (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["--top-p", "0"], r"--top-p must lie in \(0, 1\]"),
+    (["--top-p", "1.5"], r"--top-p must lie in \(0, 1\]"),
 ])
 def test_bad_sampling_flags_end_before_anything_is_printed(tmp_path, capsys, char_tokenizer, flags, message):
     tiny(1).save_pretrained(tmp_path)
