@@ -1706,8 +1706,9 @@ def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_
 # model.safetensors (the tied head stored once, as transformers does) or, without the safetensors
 # package, pytorch_model.bin (both keys, one storage, as the official save_pretrained writes).
 # Each file is written beside its final name and then renamed over it, so that an interrupted save
-# leaves the old file or the new one, never half of one; the old weights are removed only once the
-# new ones are whole.
+# leaves the old file or the new one, never half of one; weights in the other format are set aside
+# (renamed) once the new ones are whole, put back if the new file cannot take its name, and removed
+# once it has.
 
 # fields of the official MambaConfig (config_mamba.py); the rest of ours are the mixer's or runtime options
 _OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
@@ -1748,9 +1749,9 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
     """Write config_dict as config.json and the model's weights into folder (created if needed);
     safe_serialization: model.safetensors (True), pytorch_model.bin (False), or None: safetensors
     where the package is installed. Other weights files in the folder are removed once the new
-    file is complete, just before it takes its name (the loader would otherwise find a stale
-    model.safetensors before a new pytorch_model.bin): a save that fails on the way, a full disk or
-    an interrupt, leaves the checkpoint that was there."""
+    file has taken its name (the loader would otherwise find a stale model.safetensors before a new
+    pytorch_model.bin): a save that fails on the way, a full disk, a refused rename or an interrupt,
+    leaves the checkpoint that was there."""
     if safe_serialization is None:
         safe_serialization = _safetensors_installed()
     if safe_serialization:  # before anything in the folder is removed
@@ -1761,20 +1762,32 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
                               "(or save_pretrained(folder, safe_serialization=False) for pytorch_model.bin)") from err
     os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, "model.safetensors" if safe_serialization else "pytorch_model.bin")
+    stale = [path for path in _weights_files(folder) if path != target and os.path.lexists(path)]
+    aside = f".old{os.getpid()}"
 
-    def remove_stale():
-        for path in _weights_files(folder):
-            if path != target and os.path.lexists(path):
-                os.remove(path)
+    def set_stale_aside():  # renamed, not removed: if the new file cannot take its name, they go back
+        for path in stale:
+            os.replace(path, path + aside)
 
     state_dict = model.state_dict()
-    if safe_serialization:
-        if model.cfg.tie_embeddings:
-            del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
-        _write_atomically(target, lambda tmp: save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp,
-                                                        metadata={"format": "pt"}), remove_stale)
-    else:
-        _write_atomically(target, lambda tmp: torch.save(state_dict, tmp), remove_stale)
+    if safe_serialization and model.cfg.tie_embeddings:
+        del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
+
+    def write(tmp):
+        if safe_serialization:
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp, metadata={"format": "pt"})
+        else:
+            torch.save(state_dict, tmp)
+
+    try:
+        _write_atomically(target, write, set_stale_aside)
+    except BaseException:  # a full disk, a refused rename, an interrupt: the folder as it was
+        for path in stale:
+            if os.path.lexists(path + aside):
+                os.replace(path + aside, path)
+        raise
+    for path in stale:
+        os.remove(path + aside)
     _write_atomically(os.path.join(folder, "config.json"), lambda tmp: _write_json(tmp, config_dict))
     return folder
 

@@ -252,6 +252,16 @@ def test_bench_refuses_a_bad_argument_with_one_error_line_before_running(argv, n
     assert not any("Traceback" in line for line in err)
 
 
+def test_graphs_takes_its_default_backend_and_the_other_torch_compile_backends(monkeypatch, capsys):
+    # torch._dynamo tags eager and aot_eager "debug": list_backends() without exclude_tags=() leaves
+    # them out, and would refuse graphs' own default
+    ran = []
+    monkeypatch.setattr(bench, "bench_graphs", lambda args, device: ran.append(args.backend))
+    for argv in (["graphs"], ["graphs", "--backend", "aot_eager"], ["graphs", "--backend", "inductor"]):
+        bench.main(argv)
+    assert ran == ["eager", "aot_eager", "inductor"]
+
+
 def test_decode_names_its_shapes_when_none_matches(capsys):
     with pytest.raises(SystemExit, match=r"no shape of --quick matches --shapes 'nothing'; the shapes are: mamba3"):
         bench.main(["decode", "--quick", "--shapes", "nothing"])

@@ -680,6 +680,16 @@ def test_one_kv_list_shared_by_two_layers_is_refused():
     assert [c[0].shape[1] for c in cache] == [tokens + 1] * 2
 
 
+def test_the_shared_kv_list_error_names_the_layer_that_holds_it_first():
+    # attention at layers 0 and 2, a Mamba layer between: the list layer 2 repeats is layer 0's,
+    # not the layer just before it
+    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=3, vocab_size=11, attn_layer_idx=[0, 2],
+                                      attn_cfg=dict(num_heads=2, causal=True)))
+    _, cache = model.prefill(torch.randint(0, 11, (1, 6)))
+    with pytest.raises(ValueError, match=r"cache\[2\] is the same list as cache\[0\]; each layer needs a list"):
+        model.step(torch.tensor([3]), [cache[0], cache[1], cache[0]])
+
+
 def test_bad_kv_caches_are_refused_before_anything_is_written(tmp_path):
     model, *_ = hybrid(tmp_path, "mamba1", "gqa_conv")
     ids = torch.randint(0, VOCAB, (2, 5))

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import sys
+import types
 from dataclasses import asdict
 
 import pytest
@@ -325,6 +326,50 @@ def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monke
     assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
 
 
+def test_a_save_that_fails_at_its_last_steps_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    # the new file is written beside the old weights and then takes its name; the other format's
+    # file, which a loader might read instead, goes only once the new file has its name. A save
+    # refused at the new file's rename (Windows refuses a file that a virus scanner holds open) or
+    # at the old file (open, or memory-mapped by the loader) leaves the checkpoint that was there
+    # and nothing else; a save that finishes leaves no file of the other format, which a loader
+    # without the safetensors package would read. A stand-in for safetensors.torch writes the file,
+    # so that the steps run with or without the package
+    old, new = tiny(1, seed=0), tiny(1, seed=1)
+
+    def save_file(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"the new weights")
+
+    stand_in = types.ModuleType("safetensors.torch")
+    stand_in.save_file = save_file
+    monkeypatch.setitem(sys.modules, "safetensors", types.ModuleType("safetensors"))
+    monkeypatch.setitem(sys.modules, "safetensors.torch", stand_in)
+    monkeypatch.setattr(mm, "_safetensors_installed", lambda: True)
+    replace, remove = os.replace, os.remove
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    def new_file(path):  # the new weights, before they take their name
+        return ".tmp" in path
+
+    def old_file(path):
+        return path.endswith(".bin")
+
+    for safe, moved, removed in ((False, new_file, None), (True, new_file, None), (True, old_file, old_file)):
+        folder = tmp_path / f"{safe}_{moved is old_file}"
+        old.save_pretrained(folder, safe_serialization=False)
+        with monkeypatch.context() as m:  # which file os.replace may not move, os.remove not remove
+            m.setattr(os, "replace", lambda src, dst: refused(src) if moved(src) else replace(src, dst))
+            m.setattr(os, "remove", lambda path: refused(path) if removed and removed(path) else remove(path))
+            with pytest.raises(PermissionError):
+                new.save_pretrained(folder, safe_serialization=safe)
+        assert sorted(os.listdir(folder)) == ["config.json", "pytorch_model.bin"], folder.name
+        assert torch.equal(mm.MambaLM.from_pretrained(folder)(ids()), old(ids())), folder.name
+    new.save_pretrained(tmp_path / "True_False", safe_serialization=True)
+    assert sorted(os.listdir(tmp_path / "True_False")) == ["config.json", "model.safetensors"]
+
+
 # ------------------------------------------------------------------------------------------------
 # the loader's messages (fuzz-2 N13)
 # ------------------------------------------------------------------------------------------------
@@ -461,11 +506,17 @@ def test_score_is_the_mean_loss_of_the_text_whatever_the_window(tmp_path, capsys
 @pytest.mark.parametrize("flags, message", [
     (["--device", "foo"], "--device foo is not a device name"),
     (["--device", "cuda:99"], "--device cuda:99: torch finds"),
+    (["--device", "cuda"], "--device cuda: torch finds 0 cuda device(s)"),  # the usual mistake: no GPU at all
     (["--threads", "-1"], "--threads must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),  # 0 is falsy: it would be skipped silently
     (["--text", "missing.txt"], "error: cannot read --text missing.txt"),
+    (["--text", "."], "error: cannot read --text .: "),  # a folder
+    (["--text", "latin1.txt"], "error: cannot read --text latin1.txt: 'utf-8' codec can't decode"),
 ])
 def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tokenizer, monkeypatch, flags, message):
     tiny(1).save_pretrained(tmp_path)
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))  # not UTF-8
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same answer on a machine with a GPU
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as stop:
         pretrained.main(["score", str(tmp_path), "--text", "text.txt"] + flags)
@@ -476,8 +527,11 @@ def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tok
     (["--max-new-tokens", "-1"], "--max-new-tokens must be at least 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["--top-p", "0"], r"--top-p must lie in \(0, 1\]"),
+    (["--top-p", "1.5"], r"--top-p must lie in \(0, 1\]"),
 ])
 def test_bad_sampling_flags_end_before_anything_is_printed(tmp_path, capsys, char_tokenizer, flags, message):
     tiny(1).save_pretrained(tmp_path)

@@ -304,6 +304,18 @@ def test_time_invariant_scan_is_a_convolution(L):
         ps.scan_time_invariant(a, b)
 
 
+def test_the_convolution_takes_a_zero_or_negative_a():
+    # the recurrence is defined for any a: a = 0 forgets every step (the kernel 1, 0, 0, ...), a < 0
+    # alternates in sign; a kernel computed as exp(k·log a) would be NaN for both
+    a = torch.tensor([[0.0, -0.5, -1.0, 1.5]], dtype=torch.float64)  # (1, 4)
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn((1, 9, 4), generator=g, dtype=torch.float64)
+    h0 = torch.randn((1, 4), generator=g, dtype=torch.float64)
+    h = ps.scan_time_invariant(a, b, h0)
+    torch.testing.assert_close(h, reference(a.unsqueeze(1).expand_as(b), b, h0), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h[..., 0], b[..., 0], rtol=1e-10, atol=1e-10)  # a = 0: h_t = b_t, by hand
+
+
 @pytest.mark.parametrize("a_value", [0.5, 0.99, 0.9999, 0.99999, 1.0])
 def test_the_convolution_is_within_a_hundred_eps_of_the_loop(a_value):
     # the bound scan_time_invariant's docstring states, at its hardest: a long sequence, a near 1,

@@ -1338,20 +1338,31 @@ def test_a_hand_edited_last_pt_is_called_damaged_on_resume(text_file, tmp_path, 
         ts.main(["--data", text_file, "--out-dir", folder, "--resume", "--max-iters", "4"])
 
 
-def test_optimizer_moments_of_other_shapes_are_called_damaged_on_resume(text_file, tmp_path, capsys):
+@pytest.mark.parametrize("group, dim, damage", [
+    (0, 2, lambda m: torch.zeros(3, 3)),  # another size
+    (1, 1, lambda m: torch.zeros(m.numel() + 1)),  # a 1-D parameter's (a norm, a bias), in the group without decay
+    (0, 2, lambda m: m.t().contiguous()),  # the right size, transposed
+], ids=["other_size", "one_dim_no_decay", "transposed"])
+def test_optimizer_moments_of_other_shapes_are_called_damaged_on_resume(text_file, tmp_path, capsys, group, dim,
+                                                                        damage):
     # load_state_dict takes them; a fused AdamW step would then read out of bounds and crash the
-    # process without a message, so the resume runs in a process of its own
+    # process without a message, so the resume runs in a process of its own. Every parameter's
+    # moments are checked, whatever their group or number of dims
     out_dir = str(tmp_path / "run")
     run(["--data", text_file, "--out-dir", out_dir, "--max-iters", "2", "--eval-interval", "2"] + TINY, capsys)
     ckpt = torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)
-    moments = next(iter(ckpt["optimizer"]["state"].values()))
-    moments["exp_avg"] = moments["exp_avg_sq"] = torch.zeros(3, 3)
+    state, groups = ckpt["optimizer"]["state"], ckpt["optimizer"]["param_groups"]
+    moments = state[next(i for i in groups[group]["params"] if state[i]["exp_avg"].dim() == dim)]
+    shape = tuple(moments["exp_avg"].shape)
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments[key] = damage(moments[key])
     folder = edited(out_dir, "last.pt", tmp_path, optimizer=ckpt["optimizer"])
     done = subprocess.run([sys.executable, os.path.join(HERE, "train_shakespeare.py"), "--data", text_file,
                            "--out-dir", folder, "--resume", "--max-iters", "4"], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
-    assert "is damaged: its weights or optimizer state do not fit its own model (its exp_avg" in done.stderr
+    assert (f"is damaged: its weights or optimizer state do not fit its own model (its exp_avg has shape "
+            f"{tuple(moments['exp_avg'].shape)} for a parameter of {shape})") in done.stderr, done.stderr[-2000:]
 
 
 def test_resume_after_best_pt_was_deleted_writes_a_new_one(text_file, tmp_path, capsys, monkeypatch):
