@@ -1706,9 +1706,9 @@ def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_
 # model.safetensors (the tied head stored once, as transformers does) or, without the safetensors
 # package, pytorch_model.bin (both keys, one storage, as the official save_pretrained writes).
 # Each file is written beside its final name and then renamed over it, so that an interrupted save
-# leaves the old file or the new one, never half of one; weights in the other format are set aside
-# (renamed) once the new ones are whole, put back if the new file cannot take its name, and removed
-# once it has.
+# leaves the old file or the new one, never half of one; config.json is written first and takes its
+# name last, and weights in the other format are set aside (renamed) once the new ones are whole, put
+# back if the new file cannot take its name, and removed at the end.
 
 # fields of the official MambaConfig (config_mamba.py); the rest of ours are the mixer's or runtime options
 _OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
@@ -1748,13 +1748,15 @@ def _as_json(value):
 def save_pretrained(model, folder, config_dict, safe_serialization=None):
     """Write config_dict as config.json and the model's weights into folder (created if needed);
     safe_serialization: model.safetensors (True), pytorch_model.bin (False), or None: safetensors
-    where the package is installed. Other weights files in the folder are removed once the new
-    file has taken its name (the loader would otherwise find a stale model.safetensors before a new
-    pytorch_model.bin): a save that fails on the way, a full disk, a refused rename or an interrupt,
-    leaves the checkpoint that was there."""
+    where the package is installed. Each file is written beside its name first, config.json before
+    the weights, so that a save that fails while writing (a full disk, an interrupt) or at the
+    weights' rename (refused on Windows while a scanner holds the file) leaves the checkpoint that
+    was there. Weights in the other format are set aside once the new file is whole, put back if it
+    cannot take its name, and removed at the end (the loader would otherwise find a stale
+    model.safetensors before a new pytorch_model.bin); one that will not go stays, with a warning."""
     if safe_serialization is None:
         safe_serialization = _safetensors_installed()
-    if safe_serialization:  # before anything in the folder is removed
+    if safe_serialization:  # before anything in the folder changes
         try:
             from safetensors.torch import save_file
         except ImportError as err:
@@ -1769,6 +1771,15 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
         for path in stale:
             os.replace(path, path + aside)
 
+    def put_stale_back():
+        for path in stale:
+            if os.path.lexists(path + aside):
+                try:
+                    os.replace(path + aside, path)
+                except OSError as err:
+                    warnings.warn(f"save_pretrained could not put {path} back ({err}): the old weights are in "
+                                  f"{path + aside}")
+
     state_dict = model.state_dict()
     if safe_serialization and model.cfg.tie_embeddings:
         del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
@@ -1779,16 +1790,24 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
         else:
             torch.save(state_dict, tmp)
 
+    config_tmp = os.path.join(folder, f"config.json.tmp{os.getpid()}")
     try:
-        _write_atomically(target, write, set_stale_aside)
-    except BaseException:  # a full disk, a refused rename, an interrupt: the folder as it was
-        for path in stale:
-            if os.path.lexists(path + aside):
-                os.replace(path + aside, path)
-        raise
-    for path in stale:
-        os.remove(path + aside)
-    _write_atomically(os.path.join(folder, "config.json"), lambda tmp: _write_json(tmp, config_dict))
+        _write_json(config_tmp, config_dict)  # first: a full disk stops the save before anything changes
+        try:
+            _write_atomically(target, write, set_stale_aside)
+        except BaseException:  # a full disk, a refused rename, an interrupt: the folder as it was
+            put_stale_back()
+            raise
+        os.replace(config_tmp, os.path.join(folder, "config.json"))
+    finally:
+        if os.path.exists(config_tmp):
+            os.remove(config_tmp)
+    for path in stale:  # the new checkpoint is whole: a file that will not go is harmless, and said
+        try:
+            os.remove(path + aside)
+        except OSError as err:
+            warnings.warn(f"save_pretrained could not remove {path + aside} ({err}); the new checkpoint is "
+                          f"complete and the loader never reads that file: delete it by hand")
     return folder
 
 

@@ -370,6 +370,45 @@ def test_a_save_that_fails_at_its_last_steps_leaves_the_folder_as_it_was(tmp_pat
     assert sorted(os.listdir(tmp_path / "True_False")) == ["config.json", "model.safetensors"]
 
 
+def test_a_full_disk_at_config_json_leaves_the_old_checkpoint_and_a_stale_file_left_is_only_warned(
+        tmp_path, monkeypatch):
+    # config.json is written first, so a full disk there stops the save before the weights change;
+    # with the weights first, the folder held the new weights and the old config.json, which a
+    # model of another width cannot load. And once the new checkpoint is whole, an old-format file
+    # that will not go (held open) is a warning, not an error: the folder loads the new model
+    old, new = tiny(1, seed=0), tiny(1, seed=1, expand=3)  # another shape: a mixed folder cannot load
+    full = OSError(28, "No space left on device")
+    old.save_pretrained(tmp_path, safe_serialization=False)
+    with monkeypatch.context() as m:
+        m.setattr(mm, "_write_json", lambda path, d: (_ for _ in ()).throw(full))
+        with pytest.raises(OSError, match="No space left"):
+            new.save_pretrained(tmp_path, safe_serialization=False)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
+    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), old(ids()))
+
+    def save_file(tensors, path, metadata=None):  # a stand-in for safetensors.torch: any file will do
+        with open(path, "wb") as f:
+            f.write(b"the old weights")
+
+    stand_in = types.ModuleType("safetensors.torch")
+    stand_in.save_file = save_file
+    monkeypatch.setitem(sys.modules, "safetensors", types.ModuleType("safetensors"))
+    monkeypatch.setitem(sys.modules, "safetensors.torch", stand_in)
+    monkeypatch.setattr(mm, "_safetensors_installed", lambda: True)
+    folder = tmp_path / "other_format"
+    old.save_pretrained(folder, safe_serialization=True)  # model.safetensors, which the new .bin replaces
+    remove = os.remove
+    with monkeypatch.context() as m:
+        m.setattr(os, "remove", lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied", path))
+                  if ".old" in path else remove(path))
+        with pytest.warns(UserWarning, match=r"could not remove .*model\.safetensors\.old\d+ .*delete it by hand"):
+            new.save_pretrained(folder, safe_serialization=False)
+    left = sorted(os.listdir(folder))
+    assert left[0] == "config.json" and re.fullmatch(r"model\.safetensors\.old\d+", left[1]) and \
+        left[2:] == ["pytorch_model.bin"], left
+    assert torch.equal(mm.MambaLM.from_pretrained(folder)(ids()), new(ids()))
+
+
 # ------------------------------------------------------------------------------------------------
 # the loader's messages (fuzz-2 N13)
 # ------------------------------------------------------------------------------------------------
