@@ -408,6 +408,19 @@ def test_a_full_disk_at_config_json_leaves_the_old_checkpoint_and_a_stale_file_l
         left[2:] == ["pytorch_model.bin"], left
     assert torch.equal(mm.MambaLM.from_pretrained(folder)(ids()), new(ids()))
 
+    # the rename of the new file refused and the old file's way back refused too: the error stands,
+    # and a warning says where the old weights are
+    folder = tmp_path / "nothing_moves"
+    old.save_pretrained(folder, safe_serialization=True)
+    replace = os.replace
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(PermissionError(13, "Permission denied", src))
+                  if ".tmp" in src or ".old" in src else replace(src, dst))
+        with pytest.raises(PermissionError), \
+                pytest.warns(UserWarning, match=r"could not put .*model\.safetensors back .*old weights are in "
+                                                r".*model\.safetensors\.old\d+"):
+            new.save_pretrained(folder, safe_serialization=False)
+
 
 # ------------------------------------------------------------------------------------------------
 # the loader's messages (fuzz-2 N13)
