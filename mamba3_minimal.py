@@ -276,7 +276,7 @@ def rotate(t, angle, pairing="adjacent"):
 #
 # Across chunks, what is carried is not h at a chunk's end e but g_e = h_e + σ_{e+1}·v_e·k_eᵀ:
 # the last token's contribution that step e+1 will add, before α_{e+1} (which the carried state
-# gets like every decay). Then chunk c's end value is g_c = exp(a over chunk c)·g_{c-1} + E_c,
+# gets like every decay). Then chunk c's end value is g_c = exp(adt summed over chunk c)·g_{c-1} + E_c,
 # E_c = Σ_s exp(adt_{s+1} + ... + adt_{T-1})·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
 # and y_t gains exp(adt_0 + ... + adt_t)·g_{c-1}·q_t (steps t = 0 .. T-1 inside a chunk). An initial state enters as
 # g_{-1} = h0 + σ_0·v_prev·k_prevᵀ. At the sequence end there is no next token, σ_L = 0, so
@@ -320,11 +320,11 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
         reset = F.pad(reset, (0, pad))  # (b, L')
         adt = torch.where(reset[..., None], -torch.inf, adt)
 
-    # the accumulated angles, cumsum(Δ·θ) mod 2π over the sequence, computed as a cumsum inside each
-    # chunk plus each chunk's start. The starts add up
-    # the earlier chunks' turns, each reduced mod 2π first: their sum grows by at most 2π a chunk,
-    # not by the raw turn of a chunk (which can be many times 2π), so it is rounded at a smaller
-    # size; it is reduced again before it meets a chunk's cumsum
+    # the accumulated angles, in exact arithmetic remainder(cumsum(Δ·θ), 2π) over the sequence; in
+    # floating point a cumsum inside each chunk plus each chunk's start. The starts add up the
+    # earlier chunks' turns, each reduced mod 2π first: their sum grows by at most 2π a chunk, not by
+    # the raw turn of a chunk (which can be many times 2π), so it is rounded at a smaller size; it is
+    # reduced again before it meets a chunk's cumsum
     turn = (dt[..., None] * theta).unflatten(1, (n_chunks, T))  # (b, c, T, H, S)  Δ·θ per token
     within = turn.cumsum(2)  # (b, c, T, H, S)
     chunk_turns = torch.remainder(within[:, :, -1], TWO_PI)  # (b, c, H, S)
@@ -370,11 +370,11 @@ def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=Non
     # Steps 2-4 matter only when a state comes in, goes out, or crosses a chunk boundary
     if n_chunks > 1 or state is not None or return_state:
         # 2. each chunk's end value E_c from a zero state
-        to_end = F.pad(adt_c[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, H, T)  adt_{s+1} + ... + adt_{T-1}
+        to_end = F.pad(adt_c[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # (b, c, H, T)  Σ adt_{s+1..T-1}
         w_end = (torch.exp(to_end) * weight).repeat_interleave(R, dim=-1)  # (b, c, H, T·R)
         ends = (V * w_end[..., None]).transpose(-1, -2) @ K  # (b, c, H, P, N)
 
-        # 3. across chunks: g_c = exp(a over chunk c)·g_{c-1} + E_c
+        # 3. across chunks: g_c = exp(adt summed over chunk c)·g_{c-1} + E_c
         decay_from_start = torch.exp(adt_c.cumsum(-1))  # (b, c, H, T)  exp(adt_0 + ... + adt_t)
         chunk_decay = decay_from_start[..., -1, None, None].expand_as(ends)  # (b, c, H, P, N)
         g0 = None
@@ -693,7 +693,7 @@ class Mamba3LM(mm.MambaLM):
     B_bias, C_bias, B_norm, C_norm, D, out_proj (, mimo_x, mimo_z, mimo_o, norm)}, backbone.norm_f,
     lm_head.
 
-    From MambaLM, unchanged: forward (logits (b, L, padded_vocab)), prefill, generate,
+    From MambaLM, unchanged: forward (logits (b, L, padded_vocab)), prefill, step, generate,
     generate_stream and _init_weights (mixer_seq_simple's, then reset_ssm_parameters).
     """
 
@@ -722,7 +722,7 @@ class Mamba3LM(mm.MambaLM):
     # input (b, H, P), which the next step's β term needs. No conv buffer: Mamba-3 has no
     # convolution. prefill (MambaLM's: forward with want_cache) runs the chunked form over the
     # prompt and returns the four; each further token is one O(1) step, section 1's mamba3_step on
-    # the cache (Mamba3Mixer.step). MambaLM's generate and generate_stream run unchanged, and
+    # the cache (Mamba3Mixer.step). MambaLM's step, generate and generate_stream run unchanged, and
     # prefill(ids, cache=cache) continues a cache: mamba3_chunked starts from its four tensors.
 
     @classmethod

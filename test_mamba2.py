@@ -276,9 +276,9 @@ def test_differences_of_cumsums_cancel_catastrophically_in_long_low_precision_ru
     errors = {(fn.__name__, str(dtype)): error(fn, dtype) for dtype in (torch.float32, torch.bfloat16)
               for fn in (m2.segsum, segsum_by_difference)}
     print("\nlargest error of the decay mask, T = 2048:", {k: f"{v:.1e}" for k, v in errors.items()})
-    assert errors["segsum", "torch.float32"] < 1e-6  # measured 3e-8
-    assert errors["segsum_by_difference", "torch.float32"] > 1e-5  # measured 5e-5
-    assert errors["segsum", "torch.bfloat16"] < 1e-2  # only a's own rounding to bf16: measured 2e-3
+    assert errors["segsum", "torch.float32"] < 1e-6  # measured 3.3e-8
+    assert errors["segsum_by_difference", "torch.float32"] > 1e-5  # measured 5.3e-5
+    assert errors["segsum", "torch.bfloat16"] < 1e-2  # only a's own rounding to bf16: measured 2.5e-3
     assert errors["segsum_by_difference", "torch.bfloat16"] > 0.5  # noise: measured 0.98
 
 
