@@ -326,25 +326,30 @@ def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monke
     assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
 
 
-def test_a_save_that_fails_at_its_last_steps_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
-    # the new file is written beside the old weights and then takes its name; the other format's
-    # file, which a loader might read instead, goes only once the new file has its name. A save
-    # refused at the new file's rename (Windows refuses a file that a virus scanner holds open) or
-    # at the old file (open, or memory-mapped by the loader) leaves the checkpoint that was there
-    # and nothing else; a save that finishes leaves no file of the other format, which a loader
-    # without the safetensors package would read. A stand-in for safetensors.torch writes the file,
-    # so that the steps run with or without the package
-    old, new = tiny(1, seed=0), tiny(1, seed=1)
-
+def safetensors_stand_in(monkeypatch):
+    """A stand-in for the safetensors package whose save_file writes a file that is not a checkpoint:
+    save_pretrained's steps around it run with or without the package."""
     def save_file(tensors, path, metadata=None):
         with open(path, "wb") as f:
-            f.write(b"the new weights")
+            f.write(b"not a checkpoint")
 
     stand_in = types.ModuleType("safetensors.torch")
     stand_in.save_file = save_file
     monkeypatch.setitem(sys.modules, "safetensors", types.ModuleType("safetensors"))
     monkeypatch.setitem(sys.modules, "safetensors.torch", stand_in)
     monkeypatch.setattr(mm, "_safetensors_installed", lambda: True)
+
+
+def test_a_save_that_fails_at_its_last_steps_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
+    # the new file is written beside the old weights and then takes its name; the other format's
+    # file, which a loader might read instead, goes only once the new file has its name. A save
+    # refused at the new file's rename (Windows refuses a file that a virus scanner holds open) or
+    # at the old file (open, or memory-mapped by the loader) leaves the checkpoint that was there
+    # and nothing else; a save that finishes leaves no file of the other format, which a loader
+    # without the safetensors package would read
+    old, new = tiny(1, seed=0), tiny(1, seed=1)
+
+    safetensors_stand_in(monkeypatch)
     replace, remove = os.replace, os.remove
 
     def refused(path):
@@ -386,15 +391,7 @@ def test_a_full_disk_at_config_json_leaves_the_old_checkpoint_and_a_stale_file_l
     assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
     assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), old(ids()))
 
-    def save_file(tensors, path, metadata=None):  # a stand-in for safetensors.torch: any file will do
-        with open(path, "wb") as f:
-            f.write(b"the old weights")
-
-    stand_in = types.ModuleType("safetensors.torch")
-    stand_in.save_file = save_file
-    monkeypatch.setitem(sys.modules, "safetensors", types.ModuleType("safetensors"))
-    monkeypatch.setitem(sys.modules, "safetensors.torch", stand_in)
-    monkeypatch.setattr(mm, "_safetensors_installed", lambda: True)
+    safetensors_stand_in(monkeypatch)
     folder = tmp_path / "other_format"
     old.save_pretrained(folder, safe_serialization=True)  # model.safetensors, which the new .bin replaces
     remove = os.remove
