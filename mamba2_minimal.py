@@ -139,11 +139,12 @@ def ssd_sequential(x, dt, A, B, C, D=None, h0=None, return_last_state=False):
 # numbers to get a small one: after t steps |S_t| grows like t·|adt|, and a float with 24 bits
 # (fp32) keeps only about 7 significant digits of it. For a short segment deep in a long sequence
 # the difference loses those digits (catastrophic cancellation): in fp32, S ≈ -1000 has an ulp of
-# 6e-5, so a one-step segment adt_t comes out as adt_t ± 6e-5 however small adt_t is; in bf16 (ulp 4 at
-# 1000) the result is noise. On T = 2048 steps with adt_t uniform in (-1, 0), the largest error of
-# the decay mask is 5.3e-5 by differences against 3.3e-8 by segsum in fp32, and 0.98 against 2.5e-3 in
-# bf16 (`python -m pytest -q -s test_mamba2.py -k cancel` prints them). So segsum (pscan.py section
-# 10, shared with mamba3_minimal.py, the official ssd_minimal.py's) sums every entry from zero: it
+# 6e-5, so a one-step segment adt_t comes out as adt_t ± 6e-5 however small adt_t is; in bf16 (ulp 4
+# at 1000) the result is noise. On T = 2048 steps with adt_t uniform in (-1, 0), the largest error
+# of the decay mask is 5.3e-5 by differences against 3.3e-8 by segsum in fp32, and 0.98 against
+# 2.5e-3 in bf16 (`python -m pytest -q -s test_mamba2.py -k cancel` prints them). Differences are
+# safe while the sums stay small: short chunks (T ≤ 256) in fp32. segsum (pscan.py section 10,
+# shared with mamba3_minimal.py, the official ssd_minimal.py's) sums every entry from zero: it
 # copies adt into a (T, T) matrix, keeps the entries strictly below the diagonal, and takes the
 # cumsum down each column, so entry (t, s) adds up exactly adt_{s+1} .. adt_t. It costs O(T²)
 # additions, which the (T, T) mask needs anyway.
