@@ -274,14 +274,14 @@ def rotate(t, angle, pairing="adjacent"):
 # subtracts σ_{t+1}·(q_t·k_t)·v_t; setting the diagonal directly subtracts nothing.) With rank R,
 # position t becomes R rows (t, r): the mask is W with each entry repeated over an R x R block.
 #
-# Across chunks, what is carried is not h at a chunk's end e but g_e = h_e + σ_{e+1}·v_e·k_eᵀ:
-# the last token's contribution that step e+1 will add, before α_{e+1} (which the carried state
-# gets like every decay). Then chunk c's end value is g_c = exp(adt summed over chunk c)·g_{c-1} + E_c,
-# E_c = Σ_s exp(adt_{s+1} + ... + adt_{T-1})·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over c,
-# and y_t gains exp(adt_0 + ... + adt_t)·g_{c-1}·q_t (steps t = 0 .. T-1 inside a chunk). An initial state enters as
-# g_{-1} = h0 + σ_0·v_prev·k_prevᵀ. At the sequence end there is no next token, σ_L = 0, so
-# the last g is the final h exactly. Any L: the last chunk is padded with identity steps
-# (Δ = 0, so α = 1 and β = γ = σ = 0), which change neither y nor the state.
+# Across chunks, what is carried is not h at a chunk's end e but g_e = h_e + σ_{e+1}·v_e·k_eᵀ: the
+# last token's contribution that step e+1 will add, before α_{e+1} (which the carried state gets
+# like every decay). Then chunk c's end value is g_c = exp(adt summed over chunk c)·g_{c-1} + E_c,
+# E_c = Σ_s exp(adt_{s+1} + ... + adt_{T-1})·(γ_s + σ_{s+1})·v_s·k_sᵀ, a first-order recurrence over
+# c, and y_t gains exp(adt_0 + ... + adt_t)·g_{c-1}·q_t (steps t = 0 .. T-1 inside a chunk). An
+# initial state enters as g_{-1} = h0 + σ_0·v_prev·k_prevᵀ. At the sequence end there is no next
+# token, σ_L = 0, so the last g is the final h exactly. Any L: the last chunk is padded with
+# identity steps (Δ = 0, so α = 1 and β = γ = σ = 0), which change neither y nor the state.
 
 @_without_autocast
 def mamba3_chunked(q, k, v, dt, adt, lam, theta, q_bias=None, k_bias=None, D=None, mimo_x=None,

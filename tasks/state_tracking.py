@@ -14,8 +14,8 @@ it, a rotation can. Mamba-2's update h_t = α_t·h_{t-1} + ... has α_t in (0, 1
 only shrink the state, never flip its sign, so "one more 1" and "one fewer 1" look alike. Mamba-3's
 complex state turns each pair of state entries by an angle Δ_t·θ_t that the token chooses
 (mamba3_minimal.py §2): a 1 that turns the pair by π and a 0 that does not leave the parity in the
-pair's sign (the total angle is 0 or π, mod 2π), exactly, at any length. The paper finds Mamba-3 solves parity and
-modular arithmetic where Mamba-2 and Mamba-3 without its rotations fail.
+pair's sign (the total angle is 0 or π, mod 2π), exactly, at any length. The paper finds Mamba-3
+solves parity and modular arithmetic where Mamba-2 and Mamba-3 without its rotations fail.
 
 The tasks, both trained with the length drawn anew at every step, short strings among long ones
 (a curriculum: a short string teaches the update rule that a long one applies many times):
