@@ -1869,9 +1869,10 @@ READING_PARTS = (  # (label, file, first line's pattern or None for line 1, the 
     ("pscan.py §3-5", "pscan.py", r"# 3\. The combine rule", r"# 6\. The Hillis"),
     ("pscan.py §8-9", "pscan.py", r"# 8\. The backward", r"# 10\. Segment sums"),
     ("mamba_minimal.py §1-5", "mamba_minimal.py", None, r"# 6\. Making it fast"),
-    ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing"),
 )
-READING_OFF_PATH = (
+TRAINER_PART = ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing")
+READING_OFF_PATH = (  # the trainer's first part first: the README's next step after the lesson
+    TRAINER_PART,
     ("pscan.py §2 (optional)", "pscan.py", r"# 2\. The convolution view", r"# 3\. The combine rule"),
     ("pscan.py §6-7 (optional)", "pscan.py", r"# 6\. The Hillis", r"# 8\. The backward"),
     ("mamba_minimal.py §6", "mamba_minimal.py", r"# 6\. Making it fast", r"# 7\. Loading"),
@@ -1982,10 +1983,11 @@ def function_spans(path):
 
 def followed_off_path(seen):
     """{file: (functions, code lines, prose words)} of the functions in seen that lie outside the
-    reading path (READING_PARTS), a function nested in another one counted with it."""
+    parts read in order (READING_PARTS and the trainer's first part), a function nested in another
+    one counted with it."""
     here = os.path.dirname(os.path.abspath(__file__))
     path_parts = {}
-    for _, name, start, stop in READING_PARTS:
+    for _, name, start, stop in READING_PARTS + (TRAINER_PART,):
         path_parts.setdefault(name, []).append(part_lines(os.path.join(here, name), start, stop))
     out = {}
     for name in sorted({n for n, _ in seen}):
@@ -2032,13 +2034,16 @@ def bench_reading(args, device):
     table("Reading time by the README's method: prose 150 words a minute (the README's 200), code 15-20 lines "
           "a minute (the README's code blocks 30)", ["part", "code lines", "prose words", "minutes, fast", "minutes, slow"],
           rows)
-    followed_table(low, high, args.quick)
+    trainer = reading_minutes(os.path.join(here, TRAINER_PART[1]), *TRAINER_PART[2:])[2:]
+    followed_table((low, high), trainer, args.quick)
 
 
-def followed_table(low, high, quick=False):
+def followed_table(path, trainer, quick=False):
     """Run the README's training command for a few seconds (on a text made of the README) with the
-    reference switch and without it, and time by the method the functions outside the path that
-    each run calls: what a reader who follows every call reads on top of the path."""
+    reference switch and without it, and time by the method the functions outside the parts read in
+    order that each run calls: what a reader who follows every call reads on top of them. The
+    model's files count for the lesson (its minutes `path`, fast and slow), the trainer's for its
+    first part (`trainer`)."""
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as tmp:
         text = os.path.join(tmp, "text.txt")
@@ -2049,15 +2054,18 @@ def followed_table(low, high, quick=False):
             seen = functions_run(["--data", text, "--out-dir", os.path.join(tmp, label[:3]), "--max-time",
                                   "1" if quick else "3", "--device", "cpu"] + flags)
             per_file = followed_off_path(seen)
-            for name, (n, code, words) in per_file.items():
-                fast, slow = minutes(code, words)
-                rows.append([label, name, n, code, words, f"{fast:.1f}", f"{slow:.1f}"])
-            code = sum(c for _, c, _ in per_file.values())
-            words = sum(w for _, _, w in per_file.values())
-            fast, slow = minutes(code, words)
-            rows.append([label, "the path and what it calls", "", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
-    table("Following every call, at least: the functions outside the path that `python train_shakespeare.py` "
-          "runs on a CPU (a training run of seconds, then its sample), their bodies by the same method",
+            trainer_file = TRAINER_PART[1]
+            for total_label, (low, high), files in (
+                    ("the lesson and what its model calls", path, [n for n in per_file if n != trainer_file]),
+                    ("the trainer's first part and what it calls", trainer, [n for n in per_file if n == trainer_file])):
+                for name in files:
+                    n, code, words = per_file[name]
+                    rows.append([label, name, n, code, words] + [f"{m:.1f}" for m in minutes(code, words)])
+                fast, slow = minutes(sum(per_file[n][1] for n in files), sum(per_file[n][2] for n in files))
+                rows.append([label, total_label, "", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
+    table("Following every call, at least: the functions outside the parts read in order that `python "
+          "train_shakespeare.py` runs on a CPU (a training run of seconds, then its sample), their bodies by the same "
+          "method; the model's files count for the lesson, the trainer's for its first part",
           ["run", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
 
 
