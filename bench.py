@@ -1864,15 +1864,15 @@ def check_args(p, args, tables):
 # code at 15 to 20 lines a minute; the README's prose at 200 words a minute and its code blocks at
 # 30 lines a minute. A part runs from a line to the line before a banner.
 
-READING_PARTS = (  # (label, file, first line's pattern or None for line 1, the pattern it stops before)
+LESSON_PARTS = (  # (label, file, first line's pattern or None for line 1, the pattern it stops before)
     ("pscan.py §1", "pscan.py", None, r"# 2\. The convolution view"),
     ("pscan.py §3-5", "pscan.py", r"# 3\. The combine rule", r"# 6\. The Hillis"),
     ("pscan.py §8-9", "pscan.py", r"# 8\. The backward", r"# 10\. Segment sums"),
     ("mamba_minimal.py §1-5", "mamba_minimal.py", None, r"# 6\. Making it fast"),
 )
 TRAINER_PART = ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing")
-READING_OFF_PATH = (  # the trainer's first part first: the README's next step after the lesson
-    TRAINER_PART,
+READING_PARTS = LESSON_PARTS + (TRAINER_PART,)  # the path: the README, the lesson, then the trainer that trains it
+READING_OFF_PATH = (
     ("pscan.py §2 (optional)", "pscan.py", r"# 2\. The convolution view", r"# 3\. The combine rule"),
     ("pscan.py §6-7 (optional)", "pscan.py", r"# 6\. The Hillis", r"# 8\. The backward"),
     ("mamba_minimal.py §6", "mamba_minimal.py", r"# 6\. Making it fast", r"# 7\. Loading"),
@@ -1983,11 +1983,10 @@ def function_spans(path):
 
 def followed_off_path(seen):
     """{file: (functions, code lines, prose words)} of the functions in seen that lie outside the
-    parts read in order (READING_PARTS and the trainer's first part), a function nested in another
-    one counted with it."""
+    reading path (READING_PARTS), a function nested in another one counted with it."""
     here = os.path.dirname(os.path.abspath(__file__))
     path_parts = {}
-    for _, name, start, stop in READING_PARTS + (TRAINER_PART,):
+    for _, name, start, stop in READING_PARTS:
         path_parts.setdefault(name, []).append(part_lines(os.path.join(here, name), start, stop))
     out = {}
     for name in sorted({n for n, _ in seen}):
@@ -2023,26 +2022,29 @@ def bench_reading(args, device):
     code, words, readme = readme_minutes(os.path.join(here, "README.md"))
     rows = [["README.md", code, words, f"{readme:.1f}", f"{readme:.1f}"]]
     low = high = readme
-    for label, name, start, stop in READING_PARTS:
+    for label, name, start, stop in LESSON_PARTS:
         code, words, fast, slow = reading_minutes(os.path.join(here, name), start, stop)
         rows.append([label, code, words, f"{fast:.1f}", f"{slow:.1f}"])
         low, high = low + fast, high + slow
-    rows.append(["the path, in all", "", "", f"{low:.1f}", f"{high:.1f}"])
+    lesson = low, high
+    rows.append(["the README and the lesson", "", "", f"{low:.1f}", f"{high:.1f}"])
+    code, words, fast, slow = trainer = reading_minutes(os.path.join(here, TRAINER_PART[1]), *TRAINER_PART[2:])
+    rows.append([TRAINER_PART[0], code, words, f"{fast:.1f}", f"{slow:.1f}"])
+    rows.append(["the path, in all", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
     for label, name, start, stop in READING_OFF_PATH:
         code, words, fast, slow = reading_minutes(os.path.join(here, name), start, stop)
         rows.append([label, code, words, f"{fast:.1f}", f"{slow:.1f}"])
     table("Reading time by the README's method: prose 150 words a minute (the README's 200), code 15-20 lines "
           "a minute (the README's code blocks 30)", ["part", "code lines", "prose words", "minutes, fast", "minutes, slow"],
           rows)
-    trainer = reading_minutes(os.path.join(here, TRAINER_PART[1]), *TRAINER_PART[2:])[2:]
-    followed_table((low, high), trainer, args.quick)
+    followed_table(lesson, trainer[2:], args.quick)
 
 
-def followed_table(path, trainer, quick=False):
+def followed_table(lesson, trainer, quick=False):
     """Run the README's training command for a few seconds (on a text made of the README) with the
-    reference switch and without it, and time by the method the functions outside the parts read in
-    order that each run calls: what a reader who follows every call reads on top of them. The
-    model's files count for the lesson (its minutes `path`, fast and slow), the trainer's for its
+    reference switch and without it, and time by the method the functions outside the path that
+    each run calls: what a reader who follows every call reads on top of it. The model's files count
+    for the README and the lesson (their minutes `lesson`, fast and slow), the trainer's for its
     first part (`trainer`)."""
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as tmp:
@@ -2055,17 +2057,21 @@ def followed_table(path, trainer, quick=False):
                                   "1" if quick else "3", "--device", "cpu"] + flags)
             per_file = followed_off_path(seen)
             trainer_file = TRAINER_PART[1]
+            total = [0.0, 0.0]
             for total_label, (low, high), files in (
-                    ("the lesson and what its model calls", path, [n for n in per_file if n != trainer_file]),
+                    ("the README, the lesson and what the model calls", lesson,
+                     [n for n in per_file if n != trainer_file]),
                     ("the trainer's first part and what it calls", trainer, [n for n in per_file if n == trainer_file])):
                 for name in files:
                     n, code, words = per_file[name]
                     rows.append([label, name, n, code, words] + [f"{m:.1f}" for m in minutes(code, words)])
                 fast, slow = minutes(sum(per_file[n][1] for n in files), sum(per_file[n][2] for n in files))
                 rows.append([label, total_label, "", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
-    table("Following every call, at least: the functions outside the parts read in order that `python "
-          "train_shakespeare.py` runs on a CPU (a training run of seconds, then its sample), their bodies by the same "
-          "method; the model's files count for the lesson, the trainer's for its first part",
+                total = [total[0] + low + fast, total[1] + high + slow]
+            rows.append([label, "the path and what it calls", "", "", "", f"{total[0]:.1f}", f"{total[1]:.1f}"])
+    table("Following every call, at least: the functions outside the path that `python train_shakespeare.py` "
+          "runs on a CPU (a training run of seconds, then its sample), their bodies by the same method; the "
+          "model's files count for the lesson, the trainer's for its first part",
           ["run", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
 
 
