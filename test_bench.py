@@ -337,7 +337,7 @@ def test_bench_reading_prints_the_path_the_readme_times(capsys):
     total = re.search(r"the path, in all \|\s+\|\s+\|\s+([\d.]+) \|\s+([\d.]+) \|", out)
     low, high = float(total.group(1)), float(total.group(2))
     readme = " ".join(open(os.path.join(HERE, "README.md"), encoding="utf-8").read().split())
-    claimed = re.search(r"reads in (\d+)-(\d+) minutes", readme)
+    claimed = re.search(r"lines a minute\), (\d+)-(\d+) minutes", readme)
     assert abs(low - int(claimed.group(1))) <= 0.55 and abs(high - int(claimed.group(2))) <= 0.55, (low, high)
     # what following every call adds: the model's calls to the lesson, with the switch and without,
     # and the trainer's own to its first part, as the README says them
