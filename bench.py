@@ -1949,8 +1949,9 @@ def reading_minutes(path, start, stop):
 
 def functions_run(argv):
     """{(file name, first line of its code)} of every function of this folder's Python files that
-    train_shakespeare.main(argv) runs, as sys.setprofile sees the calls (autograd runs a CPU
-    backward in the calling thread, so the hand-written backwards are seen too)."""
+    train_shakespeare.main(argv) runs, then a step of recurrent inference (section 5's MambaLM.step,
+    which the trainer's sampling skips for its unchecked twin), as sys.setprofile sees the calls
+    (autograd runs a CPU backward in the calling thread, so the hand-written backwards are seen too)."""
     import train_shakespeare as ts
     here = os.path.dirname(os.path.abspath(__file__))
     seen = set()
@@ -1965,6 +1966,10 @@ def functions_run(argv):
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the run's log and sample
             ts.main(argv)
+        backend = argv[argv.index("--scan-backend") + 1] if "--scan-backend" in argv else "auto"
+        model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=8, scan_backend=backend))
+        _, cache = model.prefill(torch.zeros(1, 3, dtype=torch.long))
+        model.step(torch.zeros(1, dtype=torch.long), cache)
     finally:
         sys.setprofile(before)
     return seen

@@ -5,9 +5,8 @@ official checkpoints.
 Read it top to bottom: sections 1 to 5 are the whole model. By default their scan, and the conv's
 backward, run through section 6's engine (the same numbers to rounding; a CPU training step 1.2-1.5
 times as fast: RESULTS.md); MambaConfig(scan_backend="reference") runs sections 2 and 3's code
-itself: the two paths sit side by side in MambaMixer. With that switch, sections 1 to 5 reach later
-code only through the appendix's input checks and options (compiling, loading, packed sequences,
-hybrid layers, the ablation).
+itself: the two paths sit side by side in MambaMixer. With that switch, sections 1 to 5 call later
+code only for input checks and options.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -130,7 +129,7 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
-    if reset is not None:
+    if reset is not None:  # §8
         dA = dA.masked_fill(reset[:, :, None, None], 0)
     h = pscan.scan(dA, dBx, None if h0 is None else h0.to(dA.dtype), backend)  # (b, L, ED, N)
     # C_t·h_t as a product and a sum: bf16 autocast would run a matmul in bf16
@@ -229,7 +228,7 @@ def shifted_sum(x_pad, w, bias=None, keep=None):
 
     def tap(k):  # the inputs d_conv-1-k tokens back, (b, L, ED)
         shifted = x_pad[:, k:k + L]
-        return shifted if keep is None else shifted * keep[:, :, k, None]
+        return shifted if keep is None else shifted * keep[:, :, k, None]  # §8
 
     out = tap(0) * w[:, 0] if bias is None else torch.addcmul(bias, tap(0), w[:, 0])
     for k in range(1, width):
@@ -244,7 +243,7 @@ def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
     x_in = x_in.transpose(1, 2)  # (b, ED, L)
     if conv_state is None:
         state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
-    else:
+    else:  # §8
         state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
     if seq_idx is not None:  # §8
         seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)

@@ -369,8 +369,9 @@ def _backward(ctx, a, h, h0, grad_h):
 
 
 class _ScanFunction(torch.autograd.Function):
-    """A scan with the backward above: scan(x, w, *extra) is one of the scans above, reverse(x, w,
-    *extra) its reverse-time form or None; h comes back in the accumulation dtype. forward takes no
+    """A scan with the backward above: scan(x, w, *extra) is one of the scans above (extra: section 7's
+    chunk size, else empty), reverse(x, w, *extra) its reverse-time form or None; h comes back in the
+    accumulation dtype. forward takes no
     ctx and setup_context saves what backward reads: the form torch.func's transforms (vmap, grad,
     jvp) require. Appendix A: the create_graph branch (second derivatives) and forward mode."""
 

@@ -342,7 +342,7 @@ def test_bench_reading_prints_the_path_the_readme_times(capsys):
     # what following every call adds: the model's calls to the lesson, with the switch and without,
     # and the trainer's own to its first part, as the README says them
     said = re.search(r"Following every call the model makes adds at least (\d+)-(\d+) minutes by the method with "
-                     r"the switch \(the input checks\), (\d+)-(\d+) without \(§6's engine\); the trainer's own calls "
+                     r"the switch \(the checks, pscan's appendix A\), (\d+)-(\d+) without \(§6's engine\); the trainer's calls "
                      r"add (\d+)-(\d+)", readme)
     totals = {}
     for row in re.finditer(r"^\|\s*(--scan-backend reference|the default) \|\s*([^|]+?) \|([^\n]*)$", out, flags=re.M):
