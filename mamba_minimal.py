@@ -1528,7 +1528,10 @@ def _load_state_dict_file(folder):
 def _read_weights(path):
     """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor. A .bin is
     memory-mapped: its tensors are the file's pages, read from disk as they are used, so that
-    loading holds no second copy of the weights."""
+    loading holds no second copy of the weights. safetensors 0.8 maps its files so too; their
+    tensors start wherever the file puts them, 2- or 8-byte aligned, not at torch's 64, and CPU
+    kernels may round a last bit otherwise over such memory (the same values; a matmul in fp64
+    differed by 1e-16). A copy to aligned memory would hold the weights twice while loading."""
     safetensors = path.endswith(".safetensors")
     if safetensors:
         try:
@@ -1554,21 +1557,6 @@ def _read_weights(path):
     wrong = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if wrong:
         raise ValueError(f"{path} must hold only tensors; not tensors: {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
-    return _aligned(state_dict)
-
-
-def _aligned(state_dict, alignment=64):
-    """The tensors whose memory does not start at a multiple of `alignment` bytes (torch's CPU
-    allocator gives 64) copied to memory of torch's own, one at a time; the others as they are.
-    safetensors 0.8 returns each tensor in a buffer of its own that is only 8-byte aligned, and
-    the CPU kernels take other vectorized paths over such memory: a model loaded from it computed
-    other last bits than the model it was saved from (test_pretrained's round trip, in fp64)."""
-    copies = {}  # id -> the copy: a tensor stored under two names stays one tensor
-    for name, t in state_dict.items():
-        if t.device.type == "cpu" and t.data_ptr() % alignment:
-            if id(t) not in copies:
-                copies[id(t)] = t.clone()
-            state_dict[name] = copies[id(t)]
     return state_dict
 
 
