@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["scan_sequential", "scan_time_invariant", "pscan", "scan_hillis_steele", "scan_two_level",
            "scan_chunked", "scan", "BACKENDS", "scan_associative", "choose_backend", "backend_for",
-           "count_combines", "segsum"]
+           "count_combines", "tree_levels", "print_tree", "segsum"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,12 +161,12 @@ def _combine(first, then):
 #   down 0           └──────┐      └──────┐      └──────┐
 #                          0:3           0:5           0:7
 #
-# Every element t ends holding 0:t+1, its inclusive prefix. (Precisely: Blelloch's 1990 down-sweep
-# computes the exclusive scan, the "prescan", each element ending with 0:t: it clears the last
-# element, then at each level hands every left element its parent's prefix and every right one
-# that prefix combined with the old left value. The inclusive down-sweep drawn above, updating
-# only left elements, is Brent & Kung's 1982 tree, hence the function's name.) Depth: log2(L)
-# levels up and log2(L) - 1 down.
+# Every element t ends holding 0:t+1, its inclusive prefix; print_tree(n) prints each level
+# (appendix D). (Precisely: Blelloch's 1990 down-sweep computes the exclusive scan, the "prescan",
+# each element ending with 0:t: it clears the last element, then at each level hands every left
+# element its parent's prefix and every right one that prefix combined with the old left value.
+# The inclusive down-sweep drawn above, updating only left elements, is Brent & Kung's 1982 tree,
+# hence the function's name.) Depth: log2(L) levels up and log2(L) - 1 down.
 # Work: about 2L combines (2L - 2 - log2(L) for a power of two), more than the loop's L: the
 # price of the short depth.
 #
@@ -324,7 +324,7 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #   down 0           ├──────┘      ├──────┘      ├──────┘              1 <- 2, 3 <- 4, 5 <- 6
 #                   1:8           3:8           5:8
 #
-# Element t ends with t:8 (steps t to 7, combined backwards): g_t.
+# Element t ends with t:8 (steps t to 7, combined backwards): g_t (print_tree(8, reverse=True)).
 #
 # For n = 7 (off = 1, p = 3): left 1, 3, 5 receive from right 2, 4, 6 (w_left = a_2, a_4, a_6;
 # w_right = a_3, a_5); the recursion on 1, 3, 5; down 0 <- 1, 2 <- 3, 4 <- 5.
@@ -622,7 +622,7 @@ def backend_for(device, width, needs_grad):
 
 
 # ------------------------------------------------------------------------------------------------
-# D. Counting combines
+# D. Counting combines, and the trees printed
 # ------------------------------------------------------------------------------------------------
 # Every combine in the scans above is one addcmul (b <- a*b_before + b), and every dependent level
 # is one call, so a torch function mode that notes the size of each addcmul's result counts work
@@ -655,6 +655,49 @@ def count_combines():
     levels = []
     with _CountAddcmul(levels):
         yield levels
+
+
+# The drawings of sections 5 and 8, computed. With every a_t = 1 a combine adds, and with b_t = 2^t
+# each sum's binary digits name the steps it holds (exact in fp64 up to 53 steps): the same kind of
+# function mode, looking at the whole sequence after every level, reads off each element's i:j.
+
+class _AfterEachLevel(TorchFunctionMode):
+    def __init__(self, x, rows):
+        super().__init__()
+        self.x, self.rows = x, rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "__name__", None) == "addcmul_" and out.numel() > 0:
+            self.rows.append([_steps_held(v) for v in self.x[0].tolist()])
+        return out
+
+
+def _steps_held(v):
+    """A sum of distinct powers 2^t over consecutive t -> "i:j", the steps i .. j-1."""
+    v = int(v)
+    return f"{(v & -v).bit_length() - 1}:{v.bit_length()}"
+
+
+def tree_levels(n=8, reverse=False):
+    """Section 5's tree on n elements (reverse: section 8's mirror), level by level: a list with,
+    after each dependent level, every element's i:j. print_tree shows it as the drawings do."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 53:
+        raise ValueError(f"n must be an int from 1 to 53 (the steps fp64 can name exactly), got {n!r}")
+    x = 2.0 ** torch.arange(n, dtype=torch.float64)[None]  # (1, n) element t holds step t alone
+    rows = []
+    with _AfterEachLevel(x, rows):
+        (_brent_kung_reverse_ if reverse else _brent_kung_)(x, torch.ones(1, n - 1, dtype=torch.float64))
+    return rows
+
+
+def print_tree(n=8, reverse=False):
+    """Print tree_levels(n, reverse), a row per level: `python -c "import pscan; pscan.print_tree(7)"`."""
+    rows = tree_levels(n, reverse)
+    print("t:      " + "".join(f"{t:>6}" for t in range(n)))
+    print("start   " + "".join(f"{t}:{t + 1}".rjust(6) for t in range(n)))
+    for k, row in enumerate(rows, 1):
+        print(f"level {k} " + "".join(f"{label:>6}" for label in row))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -487,3 +487,50 @@ def test_the_tree_backwards_in_place_is_the_reverse_recurrence(L):
     assert out.data_ptr() == buffer.data_ptr()  # in place
     torch.testing.assert_close(buffer[..., 0], want, rtol=1e-12, atol=1e-12)
     assert (buffer[..., 1] == 0).all()  # nothing written outside the view
+
+
+# ------------------------------------------------------------------------------------------------
+# The drawings of sections 5 and 8, computed by print_tree, against the drawings
+# ------------------------------------------------------------------------------------------------
+
+def test_the_tree_levels_are_the_drawings_of_sections_5_and_8():
+    # every element's steps after each level, copied from the drawings (L = 8): section 5's up 0,
+    # up 1, up 2, down 1, down 0, and section 8's mirror of it
+    forward = [["0:1", "0:2", "2:3", "2:4", "4:5", "4:6", "6:7", "6:8"],
+               ["0:1", "0:2", "2:3", "0:4", "4:5", "4:6", "6:7", "4:8"],
+               ["0:1", "0:2", "2:3", "0:4", "4:5", "4:6", "6:7", "0:8"],
+               ["0:1", "0:2", "2:3", "0:4", "4:5", "0:6", "6:7", "0:8"],
+               ["0:1", "0:2", "0:3", "0:4", "0:5", "0:6", "0:7", "0:8"]]
+    mirrored = [["0:2", "1:2", "2:4", "3:4", "4:6", "5:6", "6:8", "7:8"],
+                ["0:4", "1:2", "2:4", "3:4", "4:8", "5:6", "6:8", "7:8"],
+                ["0:8", "1:2", "2:4", "3:4", "4:8", "5:6", "6:8", "7:8"],
+                ["0:8", "1:2", "2:8", "3:4", "4:8", "5:6", "6:8", "7:8"],
+                ["0:8", "1:8", "2:8", "3:8", "4:8", "5:8", "6:8", "7:8"]]
+    assert ps.tree_levels(8) == forward
+    assert ps.tree_levels(8, reverse=True) == mirrored
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 13, 53])
+def test_every_tree_level_holds_whole_runs_of_steps_and_ends_with_the_prefixes(n):
+    # the forward tree: element t only ever takes in steps just before the ones it holds, and ends
+    # with the prefix 0:t+1; the mirror: steps just after, ending with t:n (one element: no level)
+    for reverse, holds, ends in ((False, lambda t, i, j: j == t + 1, lambda t: (0, t + 1)),
+                                 (True, lambda t, i, j: i == t, lambda t: (t, n))):
+        rows = ps.tree_levels(n, reverse)
+        assert len(rows) == brent_kung_depth(n)
+        for row in rows:
+            assert all(holds(t, *map(int, label.split(":"))) for t, label in enumerate(row)), row
+        if rows:
+            assert [tuple(map(int, label.split(":"))) for label in rows[-1]] == [ends(t) for t in range(n)]
+
+
+def test_print_tree_prints_a_row_per_level(capsys):
+    ps.print_tree(4)
+    assert capsys.readouterr().out.splitlines() == [
+        "t:           0     1     2     3",
+        "start      0:1   1:2   2:3   3:4",
+        "level 1    0:1   0:2   2:3   2:4",
+        "level 2    0:1   0:2   2:3   0:4",
+        "level 3    0:1   0:2   0:3   0:4"]
+    with pytest.raises(ValueError, match="from 1 to 53"):
+        ps.tree_levels(54)
