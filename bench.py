@@ -2066,7 +2066,8 @@ def followed_table(lesson, trainer, quick=False):
             for total_label, (low, high), files in (
                     ("the README, the lesson and what the model calls", lesson,
                      [n for n in per_file if n != trainer_file]),
-                    ("the trainer's first part and what it calls", trainer, [n for n in per_file if n == trainer_file])):
+                    ("the trainer's first part and what it calls", trainer,
+                     [n for n in per_file if n == trainer_file])):
                 for name in files:
                     n, code, words = per_file[name]
                     rows.append([label, name, n, code, words] + [f"{m:.1f}" for m in minutes(code, words)])
@@ -2075,8 +2076,8 @@ def followed_table(lesson, trainer, quick=False):
                 total = [total[0] + low + fast, total[1] + high + slow]
             rows.append([label, "the path and what it calls", "", "", "", f"{total[0]:.1f}", f"{total[1]:.1f}"])
     table("Following every call, at least: the functions outside the path that `python train_shakespeare.py` "
-          "runs on a CPU (a training run of seconds, then its sample), their bodies by the same method; the "
-          "model's files count for the lesson, the trainer's for its first part",
+          "runs on a CPU (a training run of seconds, then its sample), then a MambaLM.step, their bodies by the "
+          "same method; the model's files count for the lesson, the trainer's for its first part",
           ["run", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
 
 

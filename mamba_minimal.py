@@ -1529,7 +1529,7 @@ def _read_weights(path):
     """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor. A .bin is
     memory-mapped: its tensors are the file's pages, read from disk as they are used, so that
     loading holds no second copy of the weights. safetensors 0.8 maps its files so too; their
-    tensors start wherever the file puts them, 2- or 8-byte aligned, not at torch's 64, and CPU
+    tensors start where the file puts them, aligned to their element size, not to torch's 64, and CPU
     kernels may round a last bit otherwise over such memory (the same values; a matmul in fp64
     differed by 1e-16). A copy to aligned memory would hold the weights twice while loading."""
     safetensors = path.endswith(".safetensors")

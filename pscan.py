@@ -371,9 +371,9 @@ def _backward(ctx, a, h, h0, grad_h):
 class _ScanFunction(torch.autograd.Function):
     """A scan with the backward above: scan(x, w, *extra) is one of the scans above (extra: section 7's
     chunk size, else empty), reverse(x, w, *extra) its reverse-time form or None; h comes back in the
-    accumulation dtype. forward takes no
-    ctx and setup_context saves what backward reads: the form torch.func's transforms (vmap, grad,
-    jvp) require. Appendix A: the create_graph branch (second derivatives) and forward mode."""
+    accumulation dtype. forward takes no ctx and setup_context saves what backward reads: the form
+    torch.func's transforms (vmap, grad, jvp) require. Appendix A: the create_graph branch (second
+    derivatives) and forward mode."""
 
     @staticmethod
     def forward(a, b, h0, dtype, scan, extra, reverse):
@@ -657,9 +657,11 @@ def count_combines():
         yield levels
 
 
-# The drawings of sections 5 and 8, computed. With every a_t = 1 a combine adds, and with b_t = 2^t
-# each sum's binary digits name the steps it holds (exact in fp64 up to 53 steps): the same kind of
-# function mode, looking at the whole sequence after every level, reads off each element's i:j.
+# The drawings of sections 5 and 8, computed. With every a_t = 1 a combine adds. Each element
+# carries two numbers: b_t = 2^t, whose sums' binary digits name the steps held, and 1, whose sums
+# count them (exact in fp64 up to 53 steps). The same kind of function mode, looking at the whole
+# sequence after every level, reads off each element's i:j. A broken tree shows: a sum that is not
+# one run of distinct steps prints as its runs joined by "+", with a "?" when a step is held twice.
 
 class _AfterEachLevel(TorchFunctionMode):
     def __init__(self, x, rows):
@@ -669,35 +671,56 @@ class _AfterEachLevel(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "__name__", None) == "addcmul_" and out.numel() > 0:
-            self.rows.append([_steps_held(v) for v in self.x[0].tolist()])
+            self.rows.append([_steps_held(v, count) for v, count in self.x[0].tolist()])
         return out
 
 
-def _steps_held(v):
-    """A sum of distinct powers 2^t over consecutive t -> "i:j", the steps i .. j-1."""
-    v = int(v)
-    return f"{(v & -v).bit_length() - 1}:{v.bit_length()}"
+def _steps_held(v, count):
+    """(the sum of 2^t over the steps held, how many were held) -> "i:j" for the steps i .. j-1, else
+    the runs of steps joined by "+", and "?" if the count is not the number of steps they name."""
+    v, runs, t = int(v), [], 0
+    while v >> t:
+        if v >> t & 1:
+            start = t
+            while v >> t & 1:
+                t += 1
+            runs.append((start, t))
+        t += 1
+    label = "+".join(f"{i}:{j}" for i, j in runs)
+    return label if int(count) == sum(j - i for i, j in runs) else label + "?"
 
 
 def tree_levels(n=8, reverse=False):
     """Section 5's tree on n elements (reverse: section 8's mirror), level by level: a list with,
-    after each dependent level, every element's i:j. print_tree shows it as the drawings do."""
+    after each dependent level, every element's i:j. print_tree prints it."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 53:
         raise ValueError(f"n must be an int from 1 to 53 (the steps fp64 can name exactly), got {n!r}")
-    x = 2.0 ** torch.arange(n, dtype=torch.float64)[None]  # (1, n) element t holds step t alone
+    steps = 2.0 ** torch.arange(n, dtype=torch.float64)  # (n,) element t holds step t alone
+    x = torch.stack([steps, torch.ones_like(steps)], dim=-1)[None]  # (1, n, 2)
     rows = []
     with _AfterEachLevel(x, rows):
-        (_brent_kung_reverse_ if reverse else _brent_kung_)(x, torch.ones(1, n - 1, dtype=torch.float64))
+        (_brent_kung_reverse_ if reverse else _brent_kung_)(x, torch.ones(1, n - 1, 2, dtype=torch.float64))
     return rows
+
+
+def _level_names(n):
+    """The drawings' names of the tree's levels on n elements: up 0, up 1, ... as the recursion goes
+    down (n, n//2, ... elements, while at least 2), then down ..., down 0 on the way back, where a
+    level has an element to update (3 or more)."""
+    sizes = []
+    while n >= 2:
+        sizes.append(n)
+        n //= 2
+    return [f"up {d}" for d in range(len(sizes))] + [f"down {d}" for d in reversed(range(len(sizes))) if sizes[d] >= 3]
 
 
 def print_tree(n=8, reverse=False):
     """Print tree_levels(n, reverse), a row per level: `python -c "import pscan; pscan.print_tree(7)"`."""
     rows = tree_levels(n, reverse)
-    print("t:      " + "".join(f"{t:>6}" for t in range(n)))
-    print("start   " + "".join(f"{t}:{t + 1}".rjust(6) for t in range(n)))
-    for k, row in enumerate(rows, 1):
-        print(f"level {k} " + "".join(f"{label:>6}" for label in row))
+    print(f"{'t:':<9}" + "".join(f" {t:>5}" for t in range(n)))
+    print(f"{'start':<9}" + "".join(f" {f'{t}:{t + 1}':>5}" for t in range(n)))
+    for name, row in zip(_level_names(n), rows):
+        print(f"{name:<9}" + "".join(f" {label:>5}" for label in row))  # a space between labels of any length
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """Specification of pscan.py: every backend agrees with a float64 loop written here, independently."""
 
+import re
+
 import pytest
 import torch
 
@@ -517,20 +519,33 @@ def test_every_tree_level_holds_whole_runs_of_steps_and_ends_with_the_prefixes(n
     for reverse, holds, ends in ((False, lambda t, i, j: j == t + 1, lambda t: (0, t + 1)),
                                  (True, lambda t, i, j: i == t, lambda t: (t, n))):
         rows = ps.tree_levels(n, reverse)
-        assert len(rows) == brent_kung_depth(n)
-        for row in rows:
-            assert all(holds(t, *map(int, label.split(":"))) for t, label in enumerate(row)), row
+        assert len(rows) == brent_kung_depth(n) == len(ps._level_names(n))
+        for row in rows:  # one run of distinct steps each ("+" or "?" would mark a broken tree)
+            assert all(re.fullmatch(r"\d+:\d+", label) and holds(t, *map(int, label.split(":")))
+                       for t, label in enumerate(row)), row
         if rows:
             assert [tuple(map(int, label.split(":"))) for label in rows[-1]] == [ends(t) for t in range(n)]
 
 
-def test_print_tree_prints_a_row_per_level(capsys):
+def test_a_sum_that_is_not_one_run_of_distinct_steps_is_labelled_as_broken():
+    # (sum of 2^t, count): what a tree that combined the wrong elements, or one twice, would hold
+    assert ps._steps_held(0b0110, 2) == "1:3"
+    assert ps._steps_held(0b0101, 2) == "0:1+2:3"  # steps 0 and 2, not 1
+    assert ps._steps_held(0b0100, 2) == "2:3?"  # step 1 twice reads as step 2: the count tells
+    assert ps._steps_held(0b1100, 3) == "2:4?"
+
+
+def test_print_tree_prints_a_row_per_level_named_as_the_drawings(capsys):
     ps.print_tree(4)
     assert capsys.readouterr().out.splitlines() == [
-        "t:           0     1     2     3",
-        "start      0:1   1:2   2:3   3:4",
-        "level 1    0:1   0:2   2:3   2:4",
-        "level 2    0:1   0:2   2:3   0:4",
-        "level 3    0:1   0:2   0:3   0:4"]
-    with pytest.raises(ValueError, match="from 1 to 53"):
-        ps.tree_levels(54)
+        "t:            0     1     2     3",
+        "start       0:1   1:2   2:3   3:4",
+        "up 0        0:1   0:2   2:3   2:4",
+        "up 1        0:1   0:2   2:3   0:4",
+        "down 0      0:1   0:2   0:3   0:4"]
+    assert ps._level_names(8) == ["up 0", "up 1", "up 2", "down 1", "down 0"]  # section 5's drawing
+    ps.print_tree(53)  # two-digit steps and level numbers keep the columns
+    assert {len(line) for line in capsys.readouterr().out.splitlines()} == {9 + 6 * 53}
+    for bad in (0, 54, 8.0, True):
+        with pytest.raises(ValueError, match="from 1 to 53"):
+            ps.tree_levels(bad)
