@@ -630,15 +630,17 @@ def backend_for(device, width, needs_grad):
 # `python bench.py depth` are the scans' own. torch's associative_scan follows its own schedule,
 # so its counts say little.
 
-class _CountAddcmul(TorchFunctionMode):
-    def __init__(self, levels):
+class _AfterEachLevel(TorchFunctionMode):
+    """Calls after_level(out) after every addcmul that updates at least one value: a dependent level."""
+
+    def __init__(self, after_level):
         super().__init__()
-        self.levels = levels
+        self.after_level = after_level
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if getattr(func, "__name__", None) in ("addcmul", "addcmul_") and out.numel() > 0:
-            self.levels.append(out.numel())
+            self.after_level(out)
         return out
 
 
@@ -653,39 +655,26 @@ def count_combines():
         work, depth = sum(levels), len(levels)
     """
     levels = []
-    with _CountAddcmul(levels):
+    with _AfterEachLevel(lambda out: levels.append(out.numel())):
         yield levels
 
 
 # The drawings of sections 5 and 8, computed. With every a_t = 1 a combine adds. Each element
 # carries two numbers: b_t = 2^t, whose sums' binary digits name the steps held, and 1, whose sums
-# count them (exact in fp64 up to 53 steps). The same kind of function mode, looking at the whole
-# sequence after every level, reads off each element's i:j. A broken tree shows: a sum that is not
-# one run of distinct steps prints as its runs joined by "+", with a "?" when a step is held twice.
-
-class _AfterEachLevel(TorchFunctionMode):
-    def __init__(self, x, rows):
-        super().__init__()
-        self.x, self.rows = x, rows
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if getattr(func, "__name__", None) == "addcmul_" and out.numel() > 0:
-            self.rows.append([_steps_held(v, count) for v, count in self.x[0].tolist()])
-        return out
-
+# count them (exact in fp64 up to 53 steps). The function mode above, looking at the whole sequence
+# after every level, reads off each element's i:j. A broken tree shows: a sum that is not one run of
+# distinct steps prints as its runs joined by "+", with a "?" when a step is held twice.
 
 def _steps_held(v, count):
     """(the sum of 2^t over the steps held, how many were held) -> "i:j" for the steps i .. j-1, else
     the runs of steps joined by "+", and "?" if the count is not the number of steps they name."""
-    v, runs, t = int(v), [], 0
-    while v >> t:
+    v, runs = int(v), []  # runs: [first step, one past the last]
+    for t in range(v.bit_length()):
         if v >> t & 1:
-            start = t
-            while v >> t & 1:
-                t += 1
-            runs.append((start, t))
-        t += 1
+            if runs and runs[-1][1] == t:
+                runs[-1][1] = t + 1  # step t continues the run
+            else:
+                runs.append([t, t + 1])
     label = "+".join(f"{i}:{j}" for i, j in runs)
     return label if int(count) == sum(j - i for i, j in runs) else label + "?"
 
@@ -698,7 +687,7 @@ def tree_levels(n=8, reverse=False):
     steps = 2.0 ** torch.arange(n, dtype=torch.float64)  # (n,) element t holds step t alone
     x = torch.stack([steps, torch.ones_like(steps)], dim=-1)[None]  # (1, n, 2)
     rows = []
-    with _AfterEachLevel(x, rows):
+    with _AfterEachLevel(lambda out: rows.append([_steps_held(v, count) for v, count in x[0].tolist()])):
         (_brent_kung_reverse_ if reverse else _brent_kung_)(x, torch.ones(1, n - 1, 2, dtype=torch.float64))
     return rows
 
