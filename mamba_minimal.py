@@ -650,7 +650,7 @@ def _scan_in_place(h, dA, backend, reverse=False):
         return h
     if backend == "pscan" or (backend == "associative" and reverse):  # the Brent-Kung tree in place:
         tree = pscan._brent_kung_reverse_ if reverse else pscan._brent_kung_  # pscan.py sections 5 and 8
-        return tree(h, dA[:, 1:])
+        return tree(h, dA[:, 1:] if reverse else dA)
     if not reverse:
         return pscan.scan(dA, h, None, backend)
     # pscan.scan on the time-reversed sequence; the step after the last one is the identity

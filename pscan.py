@@ -173,26 +173,25 @@ def _combine(first, then):
 # Each level recurses on the right elements of its pairs (a view with twice the stride), so L
 # need not be a power of two: an odd last element sits out the level's up-sweep (n = 7 below).
 #
-# The multipliers `w` are a[:, 1:]: element t takes w[t-1] = a_t, element 0 none (h0 is folded
-# into its b-part already, section 3).
+# The a-parts sit beside the b-parts, w[:, t] = a_t with x[:, t], so each slice of w below is the
+# slice of x it multiplies. Element 0 receives nothing (h0 is folded into its b-part already,
+# section 3), so w[:, 0] is never read.
 
 def _brent_kung_(x, w):
     """The up-sweep and the down-sweep: scan x in place along dim 1 and return it.
-    x: (batch, n, *rest), any strides; w: (batch, n-1, *rest)."""
+    x, w: (batch, n, *rest), any strides; w[:, t] = a_t."""
     n = x.shape[1]
     if n < 2:
         return x
-    # For n = 7 (p = 3): left 0, 2, 4; right 1, 3, 5; element 6 sits out; w_right = a_1, a_3, a_5;
-    # w_left = a_2, a_4; the recursion on elements 1, 3, 5; the down-sweep 2 <- 1, 4 <- 3, 6 <- 5
-    p = n // 2  # number of pairs at this level: (0,1), (2,3), ...; an odd last element sits out
+    # For n = 7 (p = 3): pairs (0, 1), (2, 3), (4, 5), and element 6 sits out; the recursion on
+    # elements 1, 3, 5; the down-sweep 2 <- 1, 4 <- 3, 6 <- 5
+    p = n // 2  # pairs at this level
     left, right = x[:, 0 : 2 * p : 2], x[:, 1 : 2 * p : 2]  # (batch, p, *rest) elements 0, 2, ... and 1, 3, ...
-    w_right = w[:, 0 : 2 * p : 2]  # (batch, p, *rest)   multipliers of elements 1, 3, 5, ...
-    w_left = w[:, 1 : 2 * p - 1 : 2]  # (batch, p-1, *rest) of elements 2, 4, ... (0 has none)
+    w_left, w_right = w[:, 0 : 2 * p : 2], w[:, 1 : 2 * p : 2]  # (batch, p, *rest) their a_t
     right.addcmul_(w_right, left)  # up-sweep: right = w_right * left + right, the pair's block
-    w_pairs = w_right[:, 1:] * w_left  # (batch, p-1, *rest) a-part of pairs 1, 2, ... (pair 0 leads)
-    _brent_kung_(right, w_pairs)  # the same on the pairs: every right element now holds its prefix
+    _brent_kung_(right, w_right * w_left)  # the same on the pairs (a-parts a_{2k+1}·a_{2k}): right gets its prefix
     # down-sweep: elements 2, 4, ... combine the finished prefix of the element before them
-    x[:, 2:n:2].addcmul_(w[:, 1 : n - 1 : 2], x[:, 1 : n - 1 : 2])
+    x[:, 2:n:2].addcmul_(w[:, 2:n:2], x[:, 1 : n - 1 : 2])
     return x
 
 
@@ -213,9 +212,9 @@ def _brent_kung_(x, w):
 # Half the tree's levels, for about (log2(L) - 1)/2 times its work (4.5x at L = 1024, section 4).
 
 def _hillis_steele(x, w):
-    """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
+    """Scan x along dim 1; return a new tensor. x, w: (batch, n, *rest), w[:, t] = a_t (section 5)."""
     n = x.shape[1]
-    m, d = w, 1  # m[:, j]: a-part of the d steps that end at element j + d
+    m, d = w[:, 1:], 1  # m[:, j]: a-part of the d steps that end at element j + d
     while d < n:  # a new tensor per level: element t reads its partner from before the level
         done = x[:, :d]  # (batch, d, *rest) these prefixes are complete
         x = torch.cat([done, torch.addcmul(x[:, d:], m, x[:, : n - d])], dim=1)  # (batch, n, *rest)
@@ -262,17 +261,15 @@ def scan_hillis_steele(a, b, h0=None):
 # both are slower than pscan (`python bench.py scan`).
 
 def _two_level(x, w, chunk_size=64):
-    """Scan x along dim 1; return a new tensor. x: (batch, n, *rest); w: (batch, n-1, *rest)."""
+    """Scan x along dim 1; return a new tensor. x, w: (batch, n, *rest), w[:, t] = a_t (section 5)."""
     batch, n, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
     T = min(chunk_size, n)  # a short sequence is one chunk of its own length
     K = -(-n // T)  # number of chunks
     pad = K * T - n  # identity steps (a = 1, b = 0) at the end change nothing
-    one = (batch, 1) + rest
-    # element 0's multiplier is never used (chunk 0 takes no carried state): 0
-    m = torch.cat([x.new_zeros(one), w, x.new_ones((batch, pad) + rest)], dim=1)  # (batch, K·T, *rest)
+    m = torch.cat([w, x.new_ones((batch, pad) + rest)], dim=1) if pad else w.contiguous()  # (batch, K·T, *rest)
     x = torch.cat([x, x.new_zeros((batch, pad) + rest)], dim=1) if pad else x.contiguous()
     xs, ms = x.view((batch * K, T) + rest), m.view((batch * K, T) + rest)  # every chunk a row
-    _brent_kung_(xs, ms[:, 1:])  # 1. (batch*K, T, *rest) every chunk scanned from zero
+    _brent_kung_(xs, ms)  # 1. (batch*K, T, *rest) every chunk scanned from zero
     prod = torch.cumprod(ms, dim=1).view((batch, K, T) + rest)  # a-products from each chunk's start
     xs = xs.view((batch, K, T) + rest)
     carried = [xs[:, 0, -1]]  # 2. (batch, *rest) carried_0 = end_0
@@ -305,12 +302,13 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 #     dLoss/db_t = g_t,     dLoss/da_t = g_t * h_{t-1},     dLoss/dh0 = a_0 * g_0
 #
 # So the backward needs only a and h. Read backwards in time, the recurrence for g is a forward
-# one: element j of the flipped sequence is step L-1-j, whose multiplier a_{L-j} is element j-1
-# of a[:, 1:] flipped. So the forward's own scan runs it, on flipped copies.
+# one: element j of the flipped sequence is step L-1-j, whose multiplier a_{L-j} is element j of
+# a_next = (a_1, ..., a_{L-1}, 0) flipped. So the forward's own scan runs it, on flipped copies.
 #
 # Section 5's tree runs it in place, without the copies, seen in a mirror: time runs from the last
 # element to the first, so the pairs are aligned at the end, the left element receives, and when n
-# is odd element 0 sits out (off = 1). Element t's multiplier is w[t] = a_{t+1}. For L = 8:
+# is odd element 0 sits out (off = 1). Element t receives from t+1, times w[:, t] = a_{t+1}; the
+# last element receives nothing, so w is a[:, 1:]. For L = 8:
 #
 #   t:        0      1      2      3      4      5      6      7
 #   up 0      ├──────┘      ├──────┘      ├──────┘      ├──────┘       0 <- 1, 2 <- 3, 4 <- 5, 6 <- 7
@@ -330,8 +328,8 @@ def scan_two_level(a, b, h0=None, chunk_size=64):
 # w_right = a_3, a_5); the recursion on 1, 3, 5; down 0 <- 1, 2 <- 3, 4 <- 5.
 
 def _brent_kung_reverse_(x, w):
-    """x_t += w[t]·x_{t+1} from the last element back, in place along dim 1; returns x.
-    x: (batch, n, *rest), any strides; w: (batch, n-1, *rest), w[t] = a_{t+1}."""
+    """x_t += w[:, t]·x_{t+1} from the last element back, in place along dim 1; returns x.
+    x: (batch, n, *rest), any strides; w: (batch, n-1, *rest), w[:, t] = a_{t+1}."""
     n = x.shape[1]
     if n < 2:
         return x
@@ -346,6 +344,11 @@ def _brent_kung_reverse_(x, w):
     return x
 
 
+def _next_multipliers(a):
+    """a_next (batch, L, *rest)"""
+    return torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1)
+
+
 def _backward(ctx, a, h, h0, grad_h):
     """The three formulas above. -> grad_a, grad_b, grad_h0"""
     dtype = h.dtype
@@ -354,7 +357,7 @@ def _backward(ctx, a, h, h0, grad_h):
         g = ctx.reverse(grad_h.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True),
                         a[:, 1:].to(dtype), *ctx.extra)
     else:
-        g = ctx.scan(grad_h.to(dtype).flip(1), a[:, 1:].to(dtype).flip(1), *ctx.extra).flip(1)
+        g = ctx.scan(grad_h.to(dtype).flip(1), _next_multipliers(a).to(dtype).flip(1), *ctx.extra).flip(1)
     grad_a = grad_h0 = None
     if ctx.needs_input_grad[0]:
         grad_a = torch.empty_like(g)  # (batch, L, *rest)
@@ -380,7 +383,7 @@ class _ScanFunction(torch.autograd.Function):
         h = b.to(dtype=dtype, memory_format=torch.contiguous_format, copy=True)  # (batch, L, *rest)
         if h0 is not None:
             h[:, 0].addcmul_(a[:, 0].to(dtype), h0.to(dtype))  # fold h0 into the first step
-        return scan(h, a[:, 1:].to(dtype), *extra)
+        return scan(h, a.to(dtype), *extra)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -491,8 +494,8 @@ def _previous_states(h, h0):
 
 def _backward_recorded(ctx, a, h, h0, grad_h):
     dtype = h.dtype
-    a_next = torch.cat([a[:, 1:], torch.zeros_like(a[:, :1])], dim=1).to(dtype)  # a_{t+1}, 0 at the end
-    # time-reversed, g_t = a_{t+1}*g_{t+1} + grad_t is a forward recurrence from zero
+    # time-reversed, g_t = a_{t+1}*g_{t+1} + grad_t is a forward recurrence from zero (section 8)
+    a_next = _next_multipliers(a).to(dtype)  # (batch, L, *rest)
     g = _run(ctx.scan, a_next.flip(1), grad_h.to(dtype).flip(1), None, dtype, ctx.extra, ctx.reverse).flip(1)
     grad_a = (g * _previous_states(h, h0)).to(a.dtype)
     grad_h0 = None if h0 is None else (g[:, 0] * a[:, 0].to(dtype)).to(h0.dtype)
@@ -545,11 +548,10 @@ def _associative(x, w):
         ) from err
     if x.numel() == 0:  # associative_scan cannot stack empty slices; there is nothing to scan
         return x
-    m = torch.cat([torch.ones_like(x[:, :1]), w], dim=1)  # element 0's multiplier is never used
     mode = "pointwise" if x.device.type in ("cuda", "xpu") else "generic"
     with torch.no_grad():
         try:
-            _, h = associative_scan(_combine, (m, x), dim=1, combine_mode=mode)
+            _, h = associative_scan(_combine, (w, x), dim=1, combine_mode=mode)
         except TypeError as err:  # a torch from before combine_mode
             raise RuntimeError(f"backend 'associative' needs associative_scan's combine_mode argument "
                                f"(requirements.txt: torch >= 2.6); this is torch {torch.__version__}"
@@ -688,7 +690,8 @@ def tree_levels(n=8, reverse=False):
     x = torch.stack([steps, torch.ones_like(steps)], dim=-1)[None]  # (1, n, 2)
     rows = []
     with _AfterEachLevel(lambda out: rows.append([_steps_held(v, count) for v, count in x[0].tolist()])):
-        (_brent_kung_reverse_ if reverse else _brent_kung_)(x, torch.ones(1, n - 1, 2, dtype=torch.float64))
+        w = torch.ones(1, n - 1 if reverse else n, 2, dtype=torch.float64)  # every a_t = 1 (a[:, 1:] in reverse)
+        (_brent_kung_reverse_ if reverse else _brent_kung_)(x, w)
     return rows
 
 
