@@ -41,6 +41,7 @@ and pscan.scan for the recurrence across chunks.
 """
 
 import functools
+import math
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -377,8 +378,8 @@ class Mamba2Config:
                     isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair):
                 raise ValueError(f"Mamba2Config.{name} must be a pair of numbers (low, high), got {pair!r}")
             setattr(self, name, tuple(pair))
-        if not 0 < self.A_init_range[0] <= self.A_init_range[1]:
-            raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {self.A_init_range}")
+        if not 0 < self.A_init_range[0] <= self.A_init_range[1] < math.inf:
+            raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high < inf, got {self.A_init_range}")
         if not 0 <= self.dt_limit[0] <= self.dt_limit[1]:  # low > high would clamp every Δ to high
             raise ValueError(f"dt_limit must be (low, high) with 0 <= low <= high, got {self.dt_limit}")
         if not mm._is_positive_number(self.norm_epsilon):  # not `> 0` alone: None or a string would raise a TypeError

@@ -526,7 +526,7 @@ class MambaLM(nn.Module):
         """Yield (b,) tensors of new token ids, one per step: prefill, then O(1) steps.
         attention_mask: prompts of different lengths, left-padded (section 8). compile: each step
         as one torch.compile graph (decode_step, section 6), for long generations."""
-        _check_generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask)
+        _check_generate(self, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask, compile)
         if max_new_tokens == 0:
             return
         logits, cache = self.prefill(input_ids, attention_mask=attention_mask)
@@ -923,6 +923,11 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
     for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
+    # torch.func.vmap over some inputs only (A_log, say): the in-place scans would write mapped tensors
+    # into unmapped ones, which vmap refuses; the reference is out of place (not asked while compiling)
+    if not torch.compiler.is_compiling() and len({_batched_by_vmap(t) for t in (x, delta, A, B, C, D, z, h0, reset)
+                                                  if t is not None}) > 1:
+        return selective_scan_reference(x, delta, A, B, C, D, z, h0, backend, reset)
     if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
         backend = pscan.backend_for(x.device, x.shape[0] * x.shape[2] * A.shape[1], needs_grad=False)
     y, h_last, *_ = _SelectiveScan.apply(x, delta, A, B, C, D, z, h0, backend, reset, _gpu_form(x.device))
@@ -1205,7 +1210,10 @@ def _chunk_gradients_recorded(ctx, grad_y, grad_h):
         # through h into the chunks before, which their own backward counts
         inputs = [None if t is None else t.view_as(t) for t in inputs]
         y, h = _scan_chunk(*inputs, keep)
-        found = torch.autograd.grad((y, h), [inputs[i] for i in wanted], (grad_y, grad_h), create_graph=True)
+        # with respect to D (or z) alone the state h needs no gradient and has none
+        outputs = [(out, grad) for out, grad in ((y, grad_y), (h, grad_h)) if out.requires_grad]
+        found = torch.autograd.grad([out for out, _ in outputs], [inputs[i] for i in wanted],
+                                    [grad for _, grad in outputs], create_graph=True)
     grads = [None] * len(inputs)
     for i, g in zip(wanted, found):
         grads[i] = g
@@ -2544,10 +2552,12 @@ def _check_generate_arguments(max_new_tokens, temperature, top_k, top_p):
     _check_sampling(temperature, top_k, top_p)
 
 
-def _check_generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask):
+def _check_generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, attention_mask, compile=False):
     """generate's arguments, before the prefill; with no new tokens there is no prefill to check
     the prompt and its mask, so they are checked here."""
     _check_generate_arguments(max_new_tokens, temperature, top_k, top_p)
+    if not isinstance(compile, bool):  # a string such as "no" would count as true
+        raise ValueError(f"compile must be True or False, got {compile!r}")
     if max_new_tokens == 0 and attention_mask is not None:
         _check_token_ids(input_ids)
         _check_use(model, input_ids, None, None, attention_mask)

@@ -448,6 +448,7 @@ def segsum(log_a):
     """log_a (..., T), the log-decays -> (..., T, T) with [t, s] = log_a_{s+1} + ... + log_a_t for
     s ≤ t (0 on the diagonal) and -inf above it, so that exp() of it is the decay mask (the official
     ssd_minimal.py's segsum)."""
+    _check_log_decays(log_a)  # appendix E
     T = log_a.shape[-1]
     below = torch.ones(T, T, dtype=torch.bool, device=log_a.device).tril(-1)  # s < t
     # entry (k, s) = log_a_k if s < k, else 0
@@ -477,8 +478,15 @@ def segsum(log_a):
 #
 # Forward mode (torch.func.jvp) is a scan too: tangents (ȧ, ḃ, ḣ0) of the inputs move the states by
 #     ḣ_t = a_t * ḣ_{t-1} + (ȧ_t * h_{t-1} + ḃ_t),    ḣ_{-1} = ḣ0,
-# the same recurrence with the forcing term ȧ_t * h_{t-1} + ḃ_t. torch.func.vmap needs no rule
-# of its own: generate_vmap_rule lets torch run forward and backward on batched tensors.
+# the same recurrence with the forcing term ȧ_t * h_{t-1} + ḃ_t. Forward mode over forward mode
+# (a jvp of a jvp, jacfwd of jacfwd) is the exception: through this rule torch's result misses
+# terms of the second derivative, so there _ScanWithJvp runs the loop, whose plain ops every level
+# differentiates (test_scan.py checks the Hessian both ways).
+#
+# torch.func.vmap gets a rule of its own: every batch row is scanned alike, so vmap's dimension
+# joins the batch dimension, and an input that vmap does not map is repeated. (torch's generated
+# rule would run the in-place levels on the per-sample tensors, and vmap refuses to write a mapped
+# a or h0 into an unmapped b's copy.) The rule serves torch.func.hessian too, a vmap over a jvp.
 #
 # torch.compile (torch 2.13) refuses to trace an autograd Function that defines a jvp: the scan
 # would be cut out of the compiled graph and run eagerly between two graphs. So the jvp lives in a
@@ -504,7 +512,30 @@ def _backward_recorded(ctx, a, h, h0, grad_h):
 
 class _ScanWithJvp(_ScanFunction):
     """Section 8's Function with forward mode and vmap."""
-    generate_vmap_rule = True
+
+    @classmethod
+    def apply(cls, a, b, h0, dtype, *how):
+        # forward mode over forward mode (jvp of jvp, jacfwd of jacfwd): the loop (see above)
+        jvp = torch._C._functorch.TransformType.Jvp
+        if sum(i.key() == jvp for i in torch._C._functorch.get_interpreter_stack() or ()) > 1:
+            return scan_sequential(a.to(dtype), b.to(dtype), None if h0 is None else h0.to(dtype))
+        return super().apply(a, b, h0, dtype, *how)
+
+    @staticmethod
+    def vmap(info, in_dims, a, b, h0, dtype, scan, extra, reverse):
+        # every batch row is scanned alike, so vmap's dimension joins the batch: (size, batch, ...) as
+        # (size·batch, ...), an input that vmap does not map repeated size times
+        size = info.batch_size
+
+        def join(t, dim):
+            if t is None:
+                return None
+            t = t.expand(size, *t.shape) if dim is None else t.movedim(dim, 0)
+            return t.reshape(size * t.shape[1], *t.shape[2:])
+
+        h = _ScanWithJvp.apply(join(a, in_dims[0]), join(b, in_dims[1]), join(h0, in_dims[2]), dtype, scan, extra,
+                               reverse)
+        return h.view(size, -1, *h.shape[1:]), 0
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -686,6 +717,8 @@ def tree_levels(n=8, reverse=False):
     after each dependent level, every element's i:j. print_tree prints it."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 53:
         raise ValueError(f"n must be an int from 1 to 53 (the steps fp64 can name exactly), got {n!r}")
+    if not isinstance(reverse, bool):  # a string such as "no" would count as true
+        raise ValueError(f"reverse must be True or False, got {reverse!r}")
     steps = 2.0 ** torch.arange(n, dtype=torch.float64)  # (n,) element t holds step t alone
     x = torch.stack([steps, torch.ones_like(steps)], dim=-1)[None]  # (1, n, 2)
     rows = []
@@ -773,6 +806,12 @@ def _check_time_invariant_inputs(a, b, h0):
         raise ValueError(f"a must have shape (batch, *rest) of b (batch, L, *rest), got {_shape(a)} "
                          f"and {_shape(b)}")
     return _check_inputs(a.unsqueeze(1).expand_as(b), b, h0)
+
+
+def _check_log_decays(log_a):
+    if not isinstance(log_a, torch.Tensor) or log_a.dim() < 1 or not log_a.is_floating_point():
+        got = f"a {log_a.dtype} tensor of shape {_shape(log_a)}" if isinstance(log_a, torch.Tensor) else _shape(log_a)
+        raise ValueError(f"log_a must be a floating-point tensor of shape (..., T), got {got}")
 
 
 def _check_chunk_size(chunk_size):

@@ -491,6 +491,7 @@ def test_optim_groups_exempt_A_log_D_dt_bias_norms_and_biases():
     # official Mamba2: A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0]
     (dict(A_init_range=(0, 16)), r"A_init_range must be \(low, high\) with 0 < low <= high"),  # A = 0 never decays
     (dict(A_init_range=(16, 1)), r"A_init_range must be \(low, high\) with 0 < low <= high"),
+    (dict(A_init_range=(1, float("inf"))), r"A_init_range must be \(low, high\) with 0 < low <= high < inf"),
     (dict(d_ssm=16.0), "d_ssm = 16.0 must be a multiple of headdim"),
     (dict(norm_epsilon=-1.0), "norm_epsilon must be positive"),  # NaN logits
     (dict(norm_epsilon=None), "norm_epsilon must be positive"),  # config.json's null: was a TypeError

@@ -1282,6 +1282,13 @@ def test_bad_sampling_arguments_raise_before_any_work(kwargs, message):
         mm.sample_next(torch.zeros(1, 5), **kwargs)
 
 
+def test_generate_refuses_a_compile_flag_that_is_not_a_bool():
+    model = tiny_model().eval()
+    model.prefill = None  # before any work
+    with pytest.raises(ValueError, match="compile must be True or False, got 'no'"):  # "no" would count as true
+        model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, compile="no")
+
+
 @pytest.mark.parametrize("backend", EAGER_BACKENDS + ["auto"])
 def test_selective_scan_refuses_mixed_float64_and_float32(backend):
     for i in range(8):  # any one input in float32, the others float64

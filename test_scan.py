@@ -290,6 +290,29 @@ def test_torch_func_grad_jvp_vmap_match_float64_loop(name):
     torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_vmap_over_any_of_a_b_h0_and_the_hessian_match_float64_loop(name):
+    # vmap mapping some inputs and not others (a mapped a over one b, say), and torch.func.hessian,
+    # a vmap over a jvp: the scans write in place, so both need the Function's own vmap rule
+    a, b, h0 = make_inputs(2, 7, (3,))
+    fn = BACKENDS[name]
+    stacked = [torch.stack([t, t.flip(0) * 0.5]) for t in (a, b, h0)]  # (2, ...) each, two problems
+    for dims in [(0, None, None), (None, 0, None), (None, None, 0), (0, None, 0), (None, 0, 0), (0, 0, None)]:
+        args = [s if d == 0 else s[0] for s, d in zip(stacked, dims)]
+        got = torch.func.vmap(fn, in_dims=dims)(*args)
+        for k in range(2):
+            want = reference(*(t[k] if d == 0 else t for t, d in zip(args, dims)))
+            torch.testing.assert_close(got[k], want, rtol=1e-12, atol=1e-12)
+    a1, b1 = a[:1, :5, :1], b[:1, :5, :1]  # (1, 5, 1): a 5 x 5 Hessian
+
+    def loss(f):
+        return lambda a: (f(a, b1, None) ** 2).sum()
+
+    want = torch.autograd.functional.hessian(loss(reference), a1)
+    torch.testing.assert_close(torch.func.hessian(loss(fn))(a1), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.func.jacfwd(torch.func.jacfwd(loss(fn)))(a1), want, rtol=1e-12, atol=1e-12)
+
 # ------------------------------------------------------------------------------------------------
 # The convolution view, the chunk's products, the choice of "auto"
 # ------------------------------------------------------------------------------------------------
@@ -549,3 +572,12 @@ def test_print_tree_prints_a_row_per_level_named_as_the_drawings(capsys):
     for bad in (0, 54, 8.0, True):
         with pytest.raises(ValueError, match="from 1 to 53"):
             ps.tree_levels(bad)
+    for bad in ("no", 1, None):  # "no" would count as true, and print the mirror
+        with pytest.raises(ValueError, match="reverse must be True or False"):
+            ps.tree_levels(8, bad)
+
+
+def test_segsum_refuses_what_is_not_a_floating_tensor_of_log_decays():
+    for bad in (torch.tensor(1.0), torch.ones(3, dtype=torch.long), [0.1, 0.2]):
+        with pytest.raises(ValueError, match=r"log_a must be a floating-point tensor of shape \(..., T\)"):
+            ps.segsum(bad)

@@ -234,6 +234,27 @@ def test_torch_func_vmap_over_the_lm_equals_the_loop_over_its_samples(name):
         assert max_difference([per_sample[n][k] for n in params], [p.grad for p in model.parameters()]) < 1e-12
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap loops over addcmul_
+@pytest.mark.parametrize("name", ["mamba1_pscan", "mamba1_reference", "mamba1_fused", "mamba2", "mamba3_mimo"])
+def test_torch_func_vmap_over_one_parameter_equals_the_loop_over_its_values(name):
+    # vmap mapping one parameter and nothing else (A_log, a conv's weight, ...): every tensor the
+    # others make is then unmapped, and the scans must not write a mapped tensor into one of them
+    model = MODELS[name]()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def loss(value, param):
+        return torch.func.functional_call(model, {param: value}, (ids,)).logsumexp(-1).mean()
+
+    for param, p in model.named_parameters():
+        values = torch.stack([p.detach(), p.detach() + 0.1 * torch.randn_like(p)])  # two values of the parameter
+        got = torch.func.vmap(lambda v: loss(v, param))(values)
+        grads = torch.func.vmap(torch.func.grad(lambda v: loss(v, param)))(values)
+        for k in range(2):
+            assert abs(got[k].item() - loss(values[k], param).item()) < 1e-12, param
+            v = values[k].clone().requires_grad_()
+            loss(v, param).backward()
+            assert max_difference(grads[k], v.grad) < 1e-12, param
+
 def test_under_torch_func_grad_the_ids_are_still_checked():
     # only vmap's batched tensors go unread: grad alone reads them as a plain forward does
     model = MODELS["mamba2"]()
