@@ -6,8 +6,8 @@ pscan.py: the recurrence at the heart of Mamba, and every way to run it
 In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) the state h(t) of a continuous
 SSM, h'(t) = A·h(t) + B·x(t), with x the layer's input, is sampled with a step Δ_t > 0 computed
 from the token: Ā_t = exp(Δ_t·A) and B̄_t ≈ Δ_t·B_t (to first order, as the official code does;
-mamba_minimal.py §1 derives both). So a_t = Ā_t is a decay in (0, 1) (exactly 1 for a padding
-step, Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.
+mamba_minimal.py §1 derives both). With A < 0, a_t = Ā_t is a decay in (0, 1) (exactly 1 where
+padding sets Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.
 Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the combine rule, 4 work
 and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan, 8
 the backward, 9 scan(), the entry point, 10 segment sums (Mamba-2's); a first reading can skip
@@ -136,7 +136,7 @@ def _combine(first, then):
 #   scan                    work           depth        counted at L = 1024 (`python bench.py depth`)
 #   loop (section 1)        L              L            1024 combines in 1024 levels
 #   pscan (section 5)       O(L)           O(log L)     2036 combines in 19 levels: up, then down
-#   Hillis-Steele (sec. 6)  O(L log L)     O(log L)     9217 combines in 10 levels: L - d at level d
+#   Hillis-Steele (sec. 6)  O(L log L)     O(log L)     9217 combines in 10 levels: L - 2^k at level k
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,8 +145,8 @@ def _combine(first, then):
 # Up-sweep: combine neighbours in pairs, then pairs of pairs, ... Each level is one multiply-add
 # over strided views, half the size of the level before. After it, the right element of every
 # pair holds the whole block it closes. Down-sweep: walk back down; the left element of every
-# pair except the first receives the finished prefix that ends just before it. For L = 8, with
-# x_t = (a_t, b_t) (the code keeps the b-parts in x and the a-parts in w):
+# pair but the first, and an odd last one, receives the finished prefix that ends just before it.
+# For L = 8, with x_t = (a_t, b_t):
 #
 #   t:        0      1      2      3      4      5      6      7
 #             x0     x1     x2     x3     x4     x5     x6     x7
@@ -173,9 +173,9 @@ def _combine(first, then):
 # Each level recurses on the right elements of its pairs (a view with twice the stride), so L
 # need not be a power of two: an odd last element sits out the level's up-sweep (n = 7 below).
 #
-# The a-parts sit beside the b-parts, w[:, t] = a_t with x[:, t], so each slice of w below is the
-# slice of x it multiplies. Element 0 receives nothing (h0 is folded into its b-part already,
-# section 3), so w[:, 0] is never read.
+# The code keeps the b-parts in x and the a-parts beside them in w, w[:, t] = a_t with x[:, t]:
+# each slice of w below is the slice of x it updates. Element 0 receives nothing (h0 is folded
+# into its b-part, section 3), so w[:, 0] never reaches the result.
 
 def _brent_kung_(x, w):
     """The up-sweep and the down-sweep: scan x in place along dim 1 and return it.
@@ -188,8 +188,8 @@ def _brent_kung_(x, w):
     p = n // 2  # pairs at this level
     left, right = x[:, 0 : 2 * p : 2], x[:, 1 : 2 * p : 2]  # (batch, p, *rest) elements 0, 2, ... and 1, 3, ...
     w_left, w_right = w[:, 0 : 2 * p : 2], w[:, 1 : 2 * p : 2]  # (batch, p, *rest) their a_t
-    right.addcmul_(w_right, left)  # up-sweep: right = w_right * left + right, the pair's block
-    _brent_kung_(right, w_right * w_left)  # the same on the pairs (a-parts a_{2k+1}·a_{2k}): right gets its prefix
+    right.addcmul_(w_right, left)  # up-sweep: right = w_right * left + right, the combine's b-part
+    _brent_kung_(right, w_right * w_left)  # the same on the pairs (its a-part a_{2k+1}·a_{2k}): right gets its prefix
     # down-sweep: elements 2, 4, ... combine the finished prefix of the element before them
     x[:, 2:n:2].addcmul_(w[:, 2:n:2], x[:, 1 : n - 1 : 2])
     return x
@@ -339,7 +339,7 @@ def _brent_kung_reverse_(x, w):
     w_left = w[:, off : n - 1 : 2]  # (batch, p, *rest)   multipliers of the receiving left elements
     w_right = w[:, off + 1 : n - 1 : 2]  # (batch, p-1, *rest) (element n-1 has none)
     left.addcmul_(w_left, right)  # up-sweep
-    _brent_kung_reverse_(left, w_left[:, :-1] * w_right)  # the pairs (the last pair leads)
+    _brent_kung_reverse_(left, w_left[:, :-1] * w_right)  # the pairs; the last receives from none
     x[:, 1 - off : n - 1 : 2].addcmul_(w[:, 1 - off : n - 1 : 2], x[:, 2 - off : n : 2])  # down-sweep
     return x
 
@@ -661,7 +661,8 @@ def backend_for(device, width, needs_grad):
 # is one call, so a torch function mode that notes the size of each addcmul's result counts work
 # and depth without a line of bookkeeping inside the scans: the figures of sections 5 to 7 and of
 # `python bench.py depth` are the scans' own. torch's associative_scan follows its own schedule,
-# so its counts say little.
+# so its counts say little. Only the b-parts' updates count: the tree also multiplies a-parts for
+# the level above (1023 products at L = 1024), which the loop never needs.
 
 class _AfterEachLevel(TorchFunctionMode):
     """Calls after_level(out) after every addcmul that updates at least one value: a dependent level."""
