@@ -833,9 +833,9 @@ class _SelectiveScan(torch.autograd.Function):
     fp32 or fp64 tensors, and computes in their dtype whatever autocast says: under bf16 autocast
     the read-out C·h, a matmul, would be rounded to bf16.
 
-    Forward-mode AD (torch.func.jvp) has no rule here, and torch says so (a NotImplementedError);
-    torch.func.grad and vmap work through it. The forward's intermediate tensors go to the
-    backward as extra outputs, which the setup_context form asks for."""
+    Forward-mode AD (torch.func.jvp) has no rule here: eager_selective_scan runs the reference
+    instead (_forward_mode). torch.func.grad and vmap work through it. The forward's intermediate
+    tensors go to the backward as extra outputs, which the setup_context form asks for."""
 
     generate_vmap_rule = True  # torch.func.vmap runs forward and backward on batched tensors
 
@@ -911,6 +911,16 @@ def _recorded_gradients(ctx, inputs, grad_out, grad_last):
     return grads
 
 
+def _forward_mode():
+    """Whether forward-mode AD (torch.func.jvp, jacfwd, or torch.autograd.forward_ad) is differentiating
+    this call. The Functions of this section have no forward-mode rule (torch.compile refuses a
+    Function that has one), so under it each runs the code it replaces, which forward mode
+    differentiates op by op: the same numbers."""
+    jvp = torch._C._functorch.TransformType.Jvp
+    return torch.autograd.forward_ad._current_level >= 0 or any(
+        i.key() == jvp for i in torch._C._functorch.get_interpreter_stack() or ())
+
+
 def _gpu_form(device):
     """Whether _SelectiveScan runs its GPU form: on any device but a CPU. (The tests, and the
     model of `python bench.py roofline`, run it on a CPU by replacing this function.)"""
@@ -924,9 +934,10 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
     # torch.func.vmap over some inputs only (A_log, say): the in-place scans would write mapped tensors
-    # into unmapped ones, which vmap refuses; the reference is out of place (not asked while compiling)
-    if not torch.compiler.is_compiling() and len({_batched_by_vmap(t) for t in (x, delta, A, B, C, D, z, h0, reset)
-                                                  if t is not None}) > 1:
+    # into unmapped ones, which vmap refuses; forward mode: no rule (_forward_mode). The reference
+    # serves both (not asked while compiling)
+    if not torch.compiler.is_compiling() and (_forward_mode() or len(
+            {_batched_by_vmap(t) for t in (x, delta, A, B, C, D, z, h0, reset) if t is not None}) > 1):
         return selective_scan_reference(x, delta, A, B, C, D, z, h0, backend, reset)
     if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
         backend = pscan.backend_for(x.device, x.shape[0] * x.shape[2] * A.shape[1], needs_grad=False)
@@ -940,9 +951,15 @@ class _CausalConv(torch.autograd.Function):
     them up; this backward writes the taps' gradients into one buffer, and each weight's gradient is one dot
     product over the batch and the sequence. The backward is made of differentiable ops, so a
     second derivative (create_graph=True) and torch.func.grad work through it, and torch.func.vmap
-    runs both passes on batched tensors (generate_vmap_rule). No forward-mode rule: torch.compile
-    refuses a Function that has one, and without one torch.func.jvp raises torch's own error."""
+    runs both passes on batched tensors (generate_vmap_rule). Under forward mode, shifted_sum itself
+    (_forward_mode)."""
     generate_vmap_rule = True
+
+    @classmethod
+    def apply(cls, x_pad, w, bias, keep):
+        if not torch.compiler.is_compiling() and _forward_mode():
+            return shifted_sum(x_pad, w, bias, keep)
+        return super().apply(x_pad, w, bias, keep)
 
     @staticmethod
     def forward(x_pad, w, bias, keep):
@@ -1283,6 +1300,8 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
+    if not torch.compiler.is_compiling() and _forward_mode():  # tangents flow through plain, eager ops
+        needs_grad, recompute, compile = True, False, False
     if not _is_positive_int(chunk_size):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     b, l, ed = x.shape
@@ -2063,7 +2082,11 @@ class MHA(nn.Module):
         and zero times NaN is NaN (the chunked scans do the same within a chunk)."""
         repeat = self.num_heads // self.num_heads_kv  # query head j reads key head j // repeat
         k, v = (t.repeat_interleave(repeat, dim=2).transpose(1, 2) for t in (k, v))  # (b, H, T, d)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=see[:, None], scale=self.scale)
+        # forward-mode AD (section 6's _forward_mode): only the plain-ops kernel has a rule for it
+        attention = torch.nn.attention
+        math_only = not torch.compiler.is_compiling() and _forward_mode()
+        with attention.sdpa_kernel(attention.SDPBackend.MATH) if math_only else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=see[:, None], scale=self.scale)
         return o.transpose(1, 2).flatten(-2)  # (b, L, H·d)
 
     def _finish(self, o, m):

@@ -711,3 +711,20 @@ def test_bad_kv_caches_are_refused_before_anything_is_written(tmp_path):
         assert difference(cache, before) == 0, what
     with pytest.raises(ValueError, match="cache"):  # a pure model's cache: the attention layer's entry is missing
         model.prefill(ids, cache=pure_mixers("mamba1", official_config("mamba1", "gqa_conv")).prefill(ids)[1])
+
+
+@pytest.mark.parametrize("generation, layout_name", CASES)
+def test_forward_mode_ad_through_a_hybrid_equals_central_differences(tmp_path, generation, layout_name):
+    # attention layers too: under forward mode the attention runs PyTorch's math kernel, the only one
+    # with a forward-mode rule on a CPU
+    model, _, _, _ = hybrid(tmp_path, generation, layout_name)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(5)
+    direction = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}
+    logits = lambda p: torch.func.functional_call(model, p, (ids,))
+    _, got = torch.func.jvp(logits, (params,), (direction,))
+    eps = 1e-6
+    step = lambda sign: logits({n: p + sign * eps * direction[n] for n, p in params.items()})
+    want = (step(1) - step(-1)) / (2 * eps)
+    assert (got - want).abs().max() < 1e-6 * want.abs().max(), (got - want).abs().max()

@@ -405,23 +405,29 @@ def test_torch_func_grad_and_vmap_equal_the_float64_loop(form, backend):
         torch.testing.assert_close(per_vjp[i], want_vjp, rtol=1e-10, atol=1e-10)
 
 
-def test_forward_mode_ad_through_the_selective_scan_raises_torchs_error(form):
-    # no forward-mode rule (a custom jvp would make torch.compile refuse the Function): torch's
-    # own NotImplementedError, never a silent zero
+@pytest.mark.parametrize("backend", EAGER + ["fused", "reference"])
+def test_forward_mode_ad_through_the_selective_scan_equals_the_float64_loops(form, backend):
+    # the hand-written Functions have no forward-mode rule (torch.compile refuses a Function with a
+    # jvp); under forward mode they run the code they replace, which torch differentiates op by op
     import torch.autograd.forward_ad as fwAD
-    x, *rest = inputs()
-    with fwAD.dual_level():
-        with pytest.raises(NotImplementedError, match="forward mode"):
-            mm.selective_scan(fwAD.make_dual(x, torch.ones_like(x)), *rest)
-    with pytest.raises(NotImplementedError, match="forward mode"):
-        torch.func.jvp(lambda x: mm.selective_scan(x, *rest), (x,), (torch.ones_like(x),))
+    args = tuple(inputs())  # x, delta, A, B, C, D, z, h0
+    tangents = tuple(torch.randn_like(t) for t in args)
+    _, got = torch.func.jvp(lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True), args, tangents)
+    _, want = torch.func.jvp(loop_scan, args, tangents)
+    for g, w in zip(got, want):  # the outputs' and the final state's tangents
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    with fwAD.dual_level():  # torch's other forward-mode API
+        y = mm.selective_scan(*(fwAD.make_dual(t, u) for t, u in zip(args, tangents)), backend=backend)
+        torch.testing.assert_close(fwAD.unpack_dual(y).tangent, want[0], rtol=1e-10, atol=1e-10)
 
 
-def test_forward_mode_ad_through_the_conv_raises_a_clear_error():
-    # neither the conv's Function has a forward-mode rule: a jvp must fail loudly, never give zeros
-    import torch.autograd.forward_ad as fwAD
-    mixer = mm.MambaMixer(mm.MambaConfig(d_model=4, d_state=2)).double()
-    with fwAD.dual_level():
-        hidden = torch.randn(1, 5, 4, dtype=torch.float64)
-        with pytest.raises(NotImplementedError, match="implement the jvp function"):
-            mixer(fwAD.make_dual(hidden, torch.ones_like(hidden)))
+def test_forward_mode_ad_through_the_conv_equals_a_float64_loop():
+    # the conv's Function has no forward-mode rule either: shifted_sum runs, whose tangent is the
+    # conv of the tangents (linear in each of x and w), computed here by a loop over the taps
+    g = torch.Generator().manual_seed(0)
+    x_pad = torch.randn(2, 3 + 5, 8, generator=g, dtype=torch.float64)  # 3 inputs before the first token
+    w, bias = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+    dx, dw = torch.randn_like(x_pad), torch.randn_like(w)
+    _, got = torch.func.jvp(lambda x_pad, w: mm._CausalConv.apply(x_pad, w, bias, None), (x_pad, w), (dx, dw))
+    want = sum(dx[:, k:k + 5] * w[:, k] + x_pad[:, k:k + 5] * dw[:, k] for k in range(4))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
