@@ -915,10 +915,20 @@ def _forward_mode():
     """Whether forward-mode AD (torch.func.jvp, jacfwd, or torch.autograd.forward_ad) is differentiating
     this call. The Functions of this section have no forward-mode rule (torch.compile refuses a
     Function that has one), so under it each runs the code it replaces, which forward mode
-    differentiates op by op: the same numbers."""
-    jvp = torch._C._functorch.TransformType.Jvp
-    return torch.autograd.forward_ad._current_level >= 0 or any(
-        i.key() == jvp for i in torch._C._functorch.get_interpreter_stack() or ())
+    differentiates op by op: the same numbers. (torch.func.jvp opens a dual level too.)"""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def _grad_levels():
+    """How many of torch.func's reverse-mode transforms (grad, vjp, jacrev) are active."""
+    grad = torch._C._functorch.TransformType.Grad
+    return sum(i.key() == grad for i in torch._C._functorch.get_interpreter_stack() or ())
+
+
+def _partly_mapped(per_token, others):
+    """Whether torch.func.vmap maps some of these tensors but not every per-token one."""
+    tokens = [_batched_by_vmap(t) for t in per_token if t is not None]
+    return not all(tokens) and (any(tokens) or any(_batched_by_vmap(t) for t in others if t is not None))
 
 
 def _gpu_form(device):
@@ -933,11 +943,11 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
     for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z, h0 = (None if t is None else t.to(x.dtype) for t in (D, z, h0))
-    # torch.func.vmap over some inputs only (A_log, say): the in-place scans would write mapped tensors
-    # into unmapped ones, which vmap refuses; forward mode: no rule (_forward_mode). The reference
-    # serves both (not asked while compiling)
-    if not torch.compiler.is_compiling() and (_forward_mode() or len(
-            {_batched_by_vmap(t) for t in (x, delta, A, B, C, D, z, h0, reset) if t is not None}) > 1):
+    # torch.func.vmap that leaves a per-token input unmapped (a model vmapped over A_log, say): the
+    # in-place scans would write mapped tensors into unmapped ones, which vmap refuses (per-sample
+    # gradients map them all); forward mode: no rule (_forward_mode). The reference serves both
+    if not torch.compiler.is_compiling() and (_forward_mode() or _partly_mapped((x, delta, B, C, z),
+                                                                                (A, D, h0, reset))):
         return selective_scan_reference(x, delta, A, B, C, D, z, h0, backend, reset)
     if backend == "auto":  # chosen for a scan without autograd, which is what both scans are
         backend = pscan.backend_for(x.device, x.shape[0] * x.shape[2] * A.shape[1], needs_grad=False)
@@ -1300,7 +1310,9 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
-    if not torch.compiler.is_compiling() and _forward_mode():  # tangents flow through plain, eager ops
+    # forward mode, or torch.func's grad of a grad (jacrev of jacrev): plain, eager ops, which every
+    # level differentiates (the recomputing backward would lose a level)
+    if not torch.compiler.is_compiling() and (_forward_mode() or _grad_levels() > 1):
         needs_grad, recompute, compile = True, False, False
     if not _is_positive_int(chunk_size):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")

@@ -301,6 +301,10 @@ def test_vmap_over_any_of_a_b_h0_and_the_hessian_match_float64_loop(name):
     for dims in [(0, None, None), (None, 0, None), (None, None, 0), (0, None, 0), (None, 0, 0), (0, 0, None)]:
         args = [s if d == 0 else s[0] for s, d in zip(stacked, dims)]
         got = torch.func.vmap(fn, in_dims=dims)(*args)
+        # the same problems with vmap's dimension second, where it has the batch's size
+        moved = [t.movedim(0, 1) if d == 0 else t for t, d in zip(args, dims)]
+        torch.testing.assert_close(torch.func.vmap(fn, in_dims=tuple(None if d is None else 1 for d in dims))(*moved),
+                                   got, rtol=1e-12, atol=1e-12)
         for k in range(2):
             want = reference(*(t[k] if d == 0 else t for t, d in zip(args, dims)))
             torch.testing.assert_close(got[k], want, rtol=1e-12, atol=1e-12)

@@ -258,7 +258,7 @@ def test_torch_func_vmap_over_one_parameter_equals_the_loop_over_its_values(name
 @pytest.mark.parametrize("name", list(MODELS))
 def test_forward_mode_ad_over_the_lm_equals_central_differences(name):
     # torch.func.jvp along a random direction in every parameter at once, against float64 central
-    # differences (their error is about eps² times the third derivative: far below the tolerance)
+    # differences (their own error, from eps² and rounding, is about 1e-8 of the scale here)
     model = MODELS[name]()
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
     params = {n: p.detach() for n, p in model.named_parameters()}
@@ -270,6 +270,39 @@ def test_forward_mode_ad_over_the_lm_equals_central_differences(name):
     step = lambda sign: logits({n: p + sign * eps * direction[n] for n, p in params.items()})
     want = (step(1) - step(-1)) / (2 * eps)
     assert (got - want).abs().max() < 1e-6 * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # jacrev's vmap loops over addcmul_
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_hessian_by_torch_func_equals_central_differences_of_the_gradient(name):
+    # jacrev of jacrev (a grad of a grad) with respect to D: the Hessian times a direction against
+    # central differences of torch.func.grad along it
+    model = MODELS[name]()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    param = next(n for n, _ in model.named_parameters() if n.endswith("mixer.D"))
+    value = dict(model.named_parameters())[param].detach()
+    loss = lambda v: torch.func.functional_call(model, {param: v}, (ids,)).logsumexp(-1).mean()
+    direction = torch.randn(value.shape, generator=torch.Generator().manual_seed(7), dtype=value.dtype)
+    got = torch.func.jacrev(torch.func.jacrev(loss))(value).flatten(0, value.dim() - 1).reshape(value.numel(), -1)
+    got = (got @ direction.flatten()).reshape(value.shape)
+    eps = 1e-5
+    want = (torch.func.grad(loss)(value + eps * direction) - torch.func.grad(loss)(value - eps * direction)) / (2 * eps)
+    assert (got - want).abs().max() < 1e-6 * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap loops over addcmul_
+def test_per_sample_gradients_keep_the_hand_written_backward(monkeypatch):
+    # vmap(grad) over the data maps every per-token input of the scan: the engine runs, not the reference
+    model = MODELS["mamba1_pscan"]()
+    calls = []
+    forward = mm._cpu_forward
+    monkeypatch.setattr(mm, "_cpu_forward", lambda *a: calls.append(1) or forward(*a))
+    ids = torch.randint(0, VOCAB, (3, 2, 12), generator=torch.Generator().manual_seed(8))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    loss = lambda p, i: torch.func.functional_call(model, p, (i,)).logsumexp(-1).mean()
+    torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, ids)
+    assert calls  # each layer ran _SelectiveScan
+
 
 def test_under_torch_func_grad_the_ids_are_still_checked():
     # only vmap's batched tensors go unread: grad alone reads them as a plain forward does
