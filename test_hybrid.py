@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import mamba2_minimal as m2
 import mamba3_minimal as m3
 import mamba_minimal as mm
-from test_use import (CHUNK, DOC_LENGTHS, PROMPT_LENGTHS, VOCAB, embedding_gradients, left_padded, packed_row,
-                      random_split)
+from test_use import (CHUNK, DOC_LENGTHS, PROMPT_LENGTHS, VOCAB, assert_jvp_equals_central_differences,
+                      embedding_gradients, left_padded, packed_row, random_split)
 
 def difference(got, expected):
     """The largest absolute difference between two tensors or two (nested) caches, as test_use.py's
@@ -719,12 +719,4 @@ def test_forward_mode_ad_through_a_hybrid_equals_central_differences(tmp_path, g
     # with a forward-mode rule on a CPU
     model, _, _, _ = hybrid(tmp_path, generation, layout_name)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
-    params = {n: p.detach() for n, p in model.named_parameters()}
-    g = torch.Generator().manual_seed(5)
-    direction = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}
-    logits = lambda p: torch.func.functional_call(model, p, (ids,))
-    _, got = torch.func.jvp(logits, (params,), (direction,))
-    eps = 1e-6
-    step = lambda sign: logits({n: p + sign * eps * direction[n] for n, p in params.items()})
-    want = (step(1) - step(-1)) / (2 * eps)
-    assert (got - want).abs().max() < 1e-6 * want.abs().max(), (got - want).abs().max()
+    assert_jvp_equals_central_differences(model, ids, seed=5)

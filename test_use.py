@@ -255,14 +255,12 @@ def test_torch_func_vmap_over_one_parameter_equals_the_loop_over_its_values(name
             loss(v, param).backward()
             assert max_difference(grads[k], v.grad) < 1e-12, param
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_forward_mode_ad_over_the_lm_equals_central_differences(name):
-    # torch.func.jvp along a random direction in every parameter at once, against float64 central
-    # differences (their own error, from eps² and rounding, is about 1e-8 of the scale here)
-    model = MODELS[name]()
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+
+def assert_jvp_equals_central_differences(model, ids, seed):
+    """torch.func.jvp of the logits along a random direction in every parameter at once, against
+    float64 central differences (their own error, from eps² and rounding, is about 1e-8 of the scale)."""
     params = {n: p.detach() for n, p in model.named_parameters()}
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     direction = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) for n, p in params.items()}
     logits = lambda p: torch.func.functional_call(model, p, (ids,))
     _, got = torch.func.jvp(logits, (params,), (direction,))
@@ -270,6 +268,12 @@ def test_forward_mode_ad_over_the_lm_equals_central_differences(name):
     step = lambda sign: logits({n: p + sign * eps * direction[n] for n, p in params.items()})
     want = (step(1) - step(-1)) / (2 * eps)
     assert (got - want).abs().max() < 1e-6 * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forward_mode_ad_over_the_lm_equals_central_differences(name):
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    assert_jvp_equals_central_differences(MODELS[name](), ids, seed=3)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # jacrev's vmap loops over addcmul_
