@@ -919,12 +919,6 @@ def _forward_mode():
     return torch.autograd.forward_ad._current_level >= 0
 
 
-def _grad_levels():
-    """How many of torch.func's reverse-mode transforms (grad, vjp, jacrev) are active."""
-    grad = torch._C._functorch.TransformType.Grad
-    return sum(i.key() == grad for i in torch._C._functorch.get_interpreter_stack() or ())
-
-
 def _partly_mapped(per_token, others):
     """Whether torch.func.vmap maps some of these tensors but not every per-token one."""
     tokens = [_batched_by_vmap(t) for t in per_token if t is not None]
@@ -1312,7 +1306,7 @@ def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=
         t is not None and t.requires_grad for t in (x, delta, A, B, C, D, z, h0))
     # forward mode, or torch.func's grad of a grad (jacrev of jacrev): plain, eager ops, which every
     # level differentiates (the recomputing backward would lose a level)
-    if not torch.compiler.is_compiling() and (_forward_mode() or _grad_levels() > 1):
+    if not torch.compiler.is_compiling() and (_forward_mode() or pscan._transform_levels("Grad") > 1):
         needs_grad, recompute, compile = True, False, False
     if not _is_positive_int(chunk_size):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")

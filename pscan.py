@@ -510,14 +510,19 @@ def _backward_recorded(ctx, a, h, h0, grad_h):
     return grad_a, g.to(a.dtype), grad_h0
 
 
+def _transform_levels(kind):
+    """How many of torch.func's transforms of one kind ("Jvp", "Grad", "Vmap") surround the call."""
+    kind = getattr(torch._C._functorch.TransformType, kind)
+    return sum(i.key() == kind for i in torch._C._functorch.get_interpreter_stack() or ())
+
+
 class _ScanWithJvp(_ScanFunction):
     """Section 8's Function with forward mode and vmap."""
 
     @classmethod
     def apply(cls, a, b, h0, dtype, *how):
         # forward mode over forward mode (jvp of jvp, jacfwd of jacfwd): the loop (see above)
-        jvp = torch._C._functorch.TransformType.Jvp
-        if sum(i.key() == jvp for i in torch._C._functorch.get_interpreter_stack() or ()) > 1:
+        if _transform_levels("Jvp") > 1:
             return scan_sequential(a.to(dtype), b.to(dtype), None if h0 is None else h0.to(dtype))
         return super().apply(a, b, h0, dtype, *how)
 
