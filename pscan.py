@@ -574,8 +574,8 @@ class _ScanWithJvp(_ScanFunction):
 # scan runs without autograd, and section 8's backward, which needs only a and h, serves it.
 
 def _associative(x, w):
-    try:
-        from torch._higher_order_ops import associative_scan
+    try:  # the module's own name: torch 2.6's package exports only the module, not the function
+        from torch._higher_order_ops.associative_scan import associative_scan
     except ImportError as err:
         raise RuntimeError(
             f"backend 'associative' needs torch._higher_order_ops.associative_scan with its "
