@@ -647,14 +647,15 @@ def test_without_transformers_the_tokenizer_message_says_what_to_install(monkeyp
         pretrained.load_tokenizer("EleutherAI/gpt-neox-20b")
 
 
-def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("wrong_id", [1000, VOCAB])  # VOCAB: the first id past it, which has a padded row
+def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, monkeypatch, capsys, wrong_id):
     class Wide(CharTokenizer):
         def __call__(self, text):
-            return {"input_ids": [1000 + len(text)]}
+            return {"input_ids": [wrong_id]}
 
     monkeypatch.setattr(pretrained, "load_tokenizer", lambda name: Wide())
     tiny(1).save_pretrained(tmp_path)
-    with pytest.raises(SystemExit, match=f"gives id 1001, and the model has {VOCAB} tokens"):
+    with pytest.raises(SystemExit, match=f"gives id {wrong_id}, and the model has {VOCAB} tokens"):
         pretrained.main(["generate", str(tmp_path), "--prompt", "a"])
 
 

@@ -308,14 +308,16 @@ def test_vmap_over_any_of_a_b_h0_and_the_hessian_match_float64_loop(name):
         for k in range(2):
             want = reference(*(t[k] if d == 0 else t for t, d in zip(args, dims)))
             torch.testing.assert_close(got[k], want, rtol=1e-12, atol=1e-12)
-    a1, b1 = a[:1, :5, :1], b[:1, :5, :1]  # (1, 5, 1): a 5 x 5 Hessian
+    a1, b1, h01 = a[:1, :5, :1], b[:1, :5, :1], h0[:1, :1]  # (1, 5, 1), (1, 1): a 6 x 6 Hessian
 
     def loss(f):
-        return lambda a: (f(a, b1, None) ** 2).sum()
+        return lambda a, h0: (f(a, b1, h0) ** 2).sum()
 
-    want = torch.autograd.functional.hessian(loss(reference), a1)
-    torch.testing.assert_close(torch.func.hessian(loss(fn))(a1), want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(torch.func.jacfwd(torch.func.jacfwd(loss(fn)))(a1), want, rtol=1e-12, atol=1e-12)
+    want = torch.autograd.functional.hessian(loss(reference), (a1, h01))
+    both = (0, 1)
+    for got in (torch.func.hessian(loss(fn), argnums=both)(a1, h01),
+                torch.func.jacfwd(torch.func.jacfwd(loss(fn), argnums=both), argnums=both)(a1, h01)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 # ------------------------------------------------------------------------------------------------
 # The convolution view, the chunk's products, the choice of "auto"
