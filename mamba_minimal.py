@@ -1126,7 +1126,8 @@ class CompiledOrEager:
     and call fn from then on; an error that fn raises as well is the caller's, and is raised.
 
     compile_backward_now: compile a training graph's backward when its forward compiles (torch
-    defers it to the first backward, outside this call and its fallback). batch_args: the names of
+    defers it to the first backward, outside this call and its fallback; torch before 2.10 has no
+    switch for it and keeps that order). batch_args: the names of
     fn's arguments whose dim 0 is the batch, compiled as a dynamic size. fallback=False: raise
     instead, for a caller with a better plan."""
 

@@ -235,7 +235,7 @@ def test_a_backward_that_fails_to_compile_fails_inside_the_call():
 
     backend = aot_autograd(fw_compiler=lambda gm, example_inputs: gm.forward, bw_compiler=broken)
     x = torch.randn(3, requires_grad=True)
-    can_move = hasattr(functorch_config, "force_non_lazy_backward_lowering")  # torch 2.8 has not
+    can_move = hasattr(functorch_config, "force_non_lazy_backward_lowering")  # torch >= 2.10
     for now in (True, False):
         torch._dynamo.reset()
         f = mm.CompiledOrEager(lambda t: t.sin() * 2, "sin", compile_backward_now=now, backend=backend)
