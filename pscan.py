@@ -569,17 +569,18 @@ class _ScanWithJvp(_ScanFunction):
 # pointwise ops on CUDA or XPU tensors, or "generic", which runs anywhere. Inside a function
 # that torch.compile compiles, Inductor lowers a "pointwise" scan into one Triton kernel; called
 # eagerly, as below, both modes run torch's generic algorithm, a tree of batched combines
-# (torch 2.13 routes "pointwise" through Dynamo with its eager backend, which compiles nothing). A
-# torch without that argument gets a RuntimeError; requirements.txt asks for torch >= 2.6. The
-# scan runs without autograd, and section 8's backward, which needs only a and h, serves it.
+# (torch 2.13 routes "pointwise" through Dynamo with its eager backend, which compiles nothing).
+# torch 2.6 and 2.7 trace every eager call with Dynamo, once per new shape (2.6 compiles it with
+# Inductor too, 10-20 s a shape): requirements.txt asks for torch >= 2.8. The scan runs without
+# autograd, and section 8's backward, which needs only a and h, serves it.
 
 def _associative(x, w):
-    try:  # the module's own name: torch 2.6's package exports only the module, not the function
+    try:  # the module's own name: in torch 2.6 the package exports the module, not the function
         from torch._higher_order_ops.associative_scan import associative_scan
     except ImportError as err:
         raise RuntimeError(
             f"backend 'associative' needs torch._higher_order_ops.associative_scan with its "
-            f"combine_mode argument (requirements.txt: torch >= 2.6); "
+            f"combine_mode argument (requirements.txt: torch >= 2.8); "
             f"this is torch {torch.__version__}"
         ) from err
     if x.numel() == 0:  # associative_scan cannot stack empty slices; there is nothing to scan
@@ -590,7 +591,7 @@ def _associative(x, w):
             _, h = associative_scan(_combine, (w, x), dim=1, combine_mode=mode)
         except TypeError as err:  # a torch from before combine_mode
             raise RuntimeError(f"backend 'associative' needs associative_scan's combine_mode argument "
-                               f"(requirements.txt: torch >= 2.6); this is torch {torch.__version__}"
+                               f"(requirements.txt: torch >= 2.8); this is torch {torch.__version__}"
                                ) from err
     return h.contiguous()
 
