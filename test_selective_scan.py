@@ -405,6 +405,24 @@ def test_torch_func_grad_and_vmap_equal_the_float64_loop(form, backend):
         torch.testing.assert_close(per_vjp[i], want_vjp, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+@pytest.mark.parametrize("backend", EAGER)
+def test_vmap_over_some_inputs_only_equals_the_float64_loop_per_problem(form, backend):
+    # vmap mapping some inputs and not others (an ensemble over A, per-problem start states): where
+    # the states would come out unmapped and a mapped A or h0 be written into them in place, the
+    # call takes the reference's route
+    args, other = inputs(), inputs(seed=1)  # x, delta, A, B, C, D, z, h0
+    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True)
+    for mapped in [("A",), ("h0",), ("C", "h0"), ("z", "h0"), ("x", "A"), ("delta", "C")]:
+        which = [name in mapped for name in NAMES]
+        stacked = [torch.stack([t, o]) if m else t for t, o, m in zip(args, other, which)]
+        y, h = torch.func.vmap(fast, in_dims=tuple(0 if m else None for m in which))(*stacked)
+        for k in range(2):
+            y_ref, h_ref = loop_scan(*(t[k] if m else t for t, m in zip(stacked, which)))
+            torch.testing.assert_close(y[k], y_ref, rtol=1e-10, atol=1e-10, msg=f"y, {mapped} mapped")
+            torch.testing.assert_close(h[k], h_ref, rtol=1e-10, atol=1e-10, msg=f"h, {mapped} mapped")
+
+
 @pytest.mark.parametrize("backend", EAGER + ["fused", "reference"])
 def test_forward_mode_ad_through_the_selective_scan_equals_the_float64_loops(form, backend):
     # the hand-written Functions have no forward-mode rule (torch.compile refuses a Function with a
