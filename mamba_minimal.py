@@ -1267,7 +1267,7 @@ def _chunk_loop(x, delta, A, B, C, D, z, h):
         y, h = _scan_chunk(x_c, delta_c, A, B_c, C_c, D, z_c[0] if z_c else None, h)
         return h, y
 
-    # chunks first, scanned over dim 0: torch 2.12 and older stack the ys along dim 0 whatever dim is
+    # chunks first, scanned over dim 0: torch 2.6, 2.8 and 2.12 stack the ys along dim 0 whatever dim is
     chunks = [t.movedim(1, 0) for t in (x, delta, B, C, z) if t is not None]  # (K, b, T, ·)
     h, ys = _scan_op(one_chunk, h, chunks)
     return ys.movedim(0, 1), h
