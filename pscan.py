@@ -571,8 +571,8 @@ class _ScanWithJvp(_ScanFunction):
 # eagerly, as below, both modes run torch's generic algorithm, a tree of batched combines
 # (torch 2.13 routes "pointwise" through Dynamo with its eager backend, which compiles nothing).
 # torch 2.6 and 2.7 trace every eager call with Dynamo, once per new shape (2.6 compiles it with
-# Inductor too, 10-20 s a shape): requirements.txt asks for torch >= 2.8. The scan runs without
-# autograd, and section 8's backward, which needs only a and h, serves it.
+# Inductor too, 12-22 s a shape: RESULTS.md): requirements.txt asks for torch >= 2.8. The scan
+# runs without autograd, and section 8's backward, which needs only a and h, serves it.
 
 def _associative(x, w):
     try:  # the module's own name: in torch 2.6 the package exports the module, not the function
