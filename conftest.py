@@ -15,9 +15,9 @@ def same_random_state_for_every_test():
 
 def pytest_collection_modifyitems(config, items):
     # The compile tests check that torch.compile runs this code's graphs, as torch 2.13 and 2.15 do.
-    # torch 2.8's compiler rejects some of them (its Dynamo cannot trace
-    # torch.amp.is_autocast_available, and the loop over chunks fails to compile), where the models
-    # fall back to eager with one warning: that would test the older compiler, not this code.
+    # Older compilers reject some of them (2.8's Dynamo cannot trace torch.amp.is_autocast_available;
+    # 2.8's and 2.12's Inductor fail on the loop over chunks), where the models fall back to eager
+    # with one warning: that would test the older compiler, not this code.
     if torch.__version__ < "2.13":
         skip = pytest.mark.skip(reason=f"the compile tests need torch >= 2.13, this is {torch.__version__}")
         for item in items:
