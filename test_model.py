@@ -226,12 +226,11 @@ def test_a_failing_compiler_falls_back_to_eager_once_and_real_errors_still_raise
 def test_a_backward_that_fails_to_compile_fails_inside_the_call():
     # torch compiles a training graph's backward at the first backward, after the call has
     # returned; compile_backward_now moves that compile into the call, where a failure falls back
+    import torch._functorch.config as functorch_config
     from torch._dynamo.backends.common import aot_autograd
 
     def broken(gm, example_inputs):
         raise RuntimeError("the backward's compiler failed")
-
-    import torch._functorch.config as functorch_config
 
     backend = aot_autograd(fw_compiler=lambda gm, example_inputs: gm.forward, bw_compiler=broken)
     x = torch.randn(3, requires_grad=True)

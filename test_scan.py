@@ -290,7 +290,6 @@ def test_torch_func_grad_jvp_vmap_match_float64_loop(name):
     torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
-
 @pytest.mark.parametrize("name", BACKENDS)
 def test_vmap_over_any_of_a_b_h0_and_the_hessian_match_float64_loop(name):
     # vmap mapping some inputs and not others (a mapped a over one b, say), and torch.func.hessian,
@@ -318,6 +317,7 @@ def test_vmap_over_any_of_a_b_h0_and_the_hessian_match_float64_loop(name):
     for got in (torch.func.hessian(loss(fn), argnums=both)(a1, h01),
                 torch.func.jacfwd(torch.func.jacfwd(loss(fn), argnums=both), argnums=both)(a1, h01)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
 
 # ------------------------------------------------------------------------------------------------
 # The convolution view, the chunk's products, the choice of "auto"
