@@ -1864,14 +1864,20 @@ def check_args(p, args, tables):
 # code at 15 to 20 lines a minute; the README's prose at 200 words a minute and its code blocks at
 # 30 lines a minute. A part runs from a line to the line before a banner.
 
-LESSON_PARTS = (  # (label, file, first line's pattern or None for line 1, the pattern it stops before)
-    ("pscan.py §1", "pscan.py", None, r"# 2\. The convolution view"),
-    ("pscan.py §3-5", "pscan.py", r"# 3\. The combine rule", r"# 6\. The Hillis"),
-    ("pscan.py §8-9", "pscan.py", r"# 8\. The backward", r"# 10\. Segment sums"),
-    ("mamba_minimal.py §1-5", "mamba_minimal.py", None, r"# 6\. Making it fast"),
+# The path: three readings in this order, each a list of parts (label, file, first line's pattern or
+# None for line 1, the pattern it stops before); the README counts with the first.
+READINGS = (
+    ("1. the model", (
+        ("pscan.py §1", "pscan.py", None, r"# 2\. The convolution view"),
+        ("pscan.py §9", "pscan.py", r"# 9\. One entry point", r"# 10\. Segment sums"),
+        ("mamba_minimal.py §1-5", "mamba_minimal.py", None, r"# 6\. Making it fast"))),
+    ("2. the parallel scan", (
+        ("pscan.py §3-5", "pscan.py", r"# 3\. The combine rule", r"# 6\. The Hillis"),
+        ("pscan.py §8", "pscan.py", r"# 8\. The backward", r"# 9\. One entry point"))),
+    ("3. the trainer", (
+        ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing"),)),
 )
-TRAINER_PART = ("train_shakespeare.py, first part", "train_shakespeare.py", None, r"# Plumbing")
-READING_PARTS = LESSON_PARTS + (TRAINER_PART,)  # the path: the README, the lesson, then the trainer that trains it
+READING_PARTS = tuple(part for _, parts in READINGS for part in parts)
 READING_OFF_PATH = (
     ("pscan.py §2 (optional)", "pscan.py", r"# 2\. The convolution view", r"# 3\. The combine rule"),
     ("pscan.py §6-7 (optional)", "pscan.py", r"# 6\. The Hillis", r"# 8\. The backward"),
@@ -1947,32 +1953,52 @@ def reading_minutes(path, start, stop):
     return (code, words) + minutes(code, words)
 
 
-def functions_run(argv):
+def functions_called(fn):
     """{(file name, first line of its code)} of every function of this folder's Python files that
-    train_shakespeare.main(argv) runs, then a step of recurrent inference (section 5's MambaLM.step,
-    which the trainer's sampling skips for its unchecked twin), as sys.setprofile sees the calls
-    (autograd runs a CPU backward in the calling thread, so the hand-written backwards are seen too)."""
-    import train_shakespeare as ts
+    fn() runs, as sys.setprofile sees the calls (autograd runs a CPU backward in the calling thread,
+    so the hand-written backwards are seen too)."""
     here = os.path.dirname(os.path.abspath(__file__))
     seen = set()
 
     def note(frame, event, arg):
         file = frame.f_code.co_filename
-        if event == "call" and file.endswith(".py") and os.path.dirname(os.path.abspath(file)) == here:
+        if (event == "call" and file.endswith(".py") and os.path.dirname(os.path.abspath(file)) == here
+                and os.path.basename(file) != "bench.py"):  # not the tracer's own run()
             seen.add((os.path.basename(file), frame.f_code.co_firstlineno))
 
     before = sys.getprofile()
     sys.setprofile(note)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):  # the run's log and sample
-            ts.main(argv)
+        with contextlib.redirect_stdout(io.StringIO()):  # a run's log and sample
+            fn()
+    finally:
+        sys.setprofile(before)
+    return seen
+
+
+def functions_run(argv):
+    """functions_called of train_shakespeare.main(argv), then of a step of recurrent inference
+    (section 5's MambaLM.step, which the trainer's sampling skips for its unchecked twin)."""
+    import train_shakespeare as ts
+
+    def run():
+        ts.main(argv)
         backend = argv[argv.index("--scan-backend") + 1] if "--scan-backend" in argv else "auto"
         model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=8, scan_backend=backend))
         _, cache = model.prefill(torch.zeros(1, 3, dtype=torch.long))
         model.step(torch.zeros(1, dtype=torch.long), cache)
-    finally:
-        sys.setprofile(before)
-    return seen
+
+    return functions_called(run)
+
+
+def parallel_scan_run():
+    """functions_called of the parallel scan the second reading teaches: pscan.scan(backend="pscan"),
+    its forward and its backward, at L = 8."""
+    def run():
+        a, b, h0 = (torch.rand(2, 8, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        ps.scan(a, b, h0[:, 0], backend="pscan").sum().backward()
+
+    return functions_called(run)
 
 
 def function_spans(path):
@@ -1986,12 +2012,12 @@ def function_spans(path):
     return spans
 
 
-def followed_off_path(seen):
+def followed_off_path(seen, parts=READING_PARTS):
     """{file: (functions, code lines, prose words)} of the functions in seen that lie outside the
-    reading path (READING_PARTS), a function nested in another one counted with it."""
+    parts (by default the whole reading path), a function nested in another one counted with it."""
     here = os.path.dirname(os.path.abspath(__file__))
     path_parts = {}
-    for _, name, start, stop in READING_PARTS:
+    for _, name, start, stop in parts:
         path_parts.setdefault(name, []).append(part_lines(os.path.join(here, name), start, stop))
     out = {}
     for name in sorted({n for n, _ in seen}):
@@ -2020,38 +2046,43 @@ def readme_minutes(path="README.md"):
 
 
 def bench_reading(args, device):
-    """The reading path's minutes by the README's method, part by part, and parts off the path; then
-    the code outside the path that a training run calls, which a reader who follows every call
-    also reads, by the same method."""
+    """The reading path's minutes by the README's method, reading by reading and part by part, and
+    parts off the path; then the code outside each reading that it calls, which a reader who follows
+    every call also reads, by the same method."""
     here = os.path.dirname(os.path.abspath(__file__))
     code, words, readme = readme_minutes(os.path.join(here, "README.md"))
     rows = [["README.md", code, words, f"{readme:.1f}", f"{readme:.1f}"]]
-    low = high = readme
-    for label, name, start, stop in LESSON_PARTS:
-        code, words, fast, slow = reading_minutes(os.path.join(here, name), start, stop)
-        rows.append([label, code, words, f"{fast:.1f}", f"{slow:.1f}"])
-        low, high = low + fast, high + slow
-    lesson = low, high
-    rows.append(["the README and the lesson", "", "", f"{low:.1f}", f"{high:.1f}"])
-    code, words, fast, slow = trainer = reading_minutes(os.path.join(here, TRAINER_PART[1]), *TRAINER_PART[2:])
-    rows.append([TRAINER_PART[0], code, words, f"{fast:.1f}", f"{slow:.1f}"])
-    rows.append(["the path, in all", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
+    readings = []  # (fast, slow) minutes of each reading, the README with the first
+    for label, parts in READINGS:
+        low = high = readme if not readings else 0.0
+        for part, name, start, stop in parts:
+            code, words, fast, slow = reading_minutes(os.path.join(here, name), start, stop)
+            rows.append([part, code, words, f"{fast:.1f}", f"{slow:.1f}"])
+            low, high = low + fast, high + slow
+        readings.append((low, high))
+        rows.append([f"**{label}**", "", "", f"{low:.1f}", f"{high:.1f}"])
+    rows.append(["the path, in all", "", "", f"{sum(r[0] for r in readings):.1f}",
+                 f"{sum(r[1] for r in readings):.1f}"])
     for label, name, start, stop in READING_OFF_PATH:
         code, words, fast, slow = reading_minutes(os.path.join(here, name), start, stop)
         rows.append([label, code, words, f"{fast:.1f}", f"{slow:.1f}"])
     table("Reading time by the README's method: prose 150 words a minute (the README's 200), code 15-20 lines "
           "a minute (the README's code blocks 30)", ["part", "code lines", "prose words", "minutes, fast", "minutes, slow"],
           rows)
-    followed_table(lesson, trainer[2:], args.quick)
+    followed_table(readings, args.quick)
 
 
-def followed_table(lesson, trainer, quick=False):
+def followed_table(readings, quick=False):
     """Run the README's training command for a few seconds (on a text made of the README) with the
-    reference switch and without it, and time by the method the functions outside the path that
-    each run calls: what a reader who follows every call reads on top of it. The model's files count
-    for the README and the lesson (their minutes `lesson`, fast and slow), the trainer's for its
-    first part (`trainer`)."""
+    reference switch and without it, and the parallel scan forward and backward (parallel_scan_run),
+    and time by the method the functions each reading calls outside itself and the readings before
+    it: what a reader who follows every call reads on top of it. The first reading (the model, its
+    minutes readings[0], fast and slow) follows the run's calls into the model's files, the second
+    the parallel scan's, the third the run's calls into the trainer's file. The last row is the
+    whole path with every function any of them calls outside it, each counted once."""
     here = os.path.dirname(os.path.abspath(__file__))
+    trainer_file = READINGS[2][1][0][1]
+    scan_seen = parallel_scan_run()
     with tempfile.TemporaryDirectory() as tmp:
         text = os.path.join(tmp, "text.txt")
         with open(text, "w", encoding="utf-8") as f:
@@ -2060,25 +2091,26 @@ def followed_table(lesson, trainer, quick=False):
         for label, flags in (("--scan-backend reference", ["--scan-backend", "reference"]), ("the default", [])):
             seen = functions_run(["--data", text, "--out-dir", os.path.join(tmp, label[:3]), "--max-time",
                                   "1" if quick else "3", "--device", "cpu"] + flags)
-            per_file = followed_off_path(seen)
-            trainer_file = TRAINER_PART[1]
-            total = [0.0, 0.0]
-            for total_label, (low, high), files in (
-                    ("the README, the lesson and what the model calls", lesson,
-                     [n for n in per_file if n != trainer_file]),
-                    ("the trainer's first part and what it calls", trainer,
-                     [n for n in per_file if n == trainer_file])):
-                for name in files:
-                    n, code, words = per_file[name]
-                    rows.append([label, name, n, code, words] + [f"{m:.1f}" for m in minutes(code, words)])
-                fast, slow = minutes(sum(per_file[n][1] for n in files), sum(per_file[n][2] for n in files))
-                rows.append([label, total_label, "", "", "", f"{low + fast:.1f}", f"{high + slow:.1f}"])
-                total = [total[0] + low + fast, total[1] + high + slow]
-            rows.append([label, "the path and what it calls", "", "", "", f"{total[0]:.1f}", f"{total[1]:.1f}"])
+            before = ()  # the parts of the readings already read
+            for (reading, parts), (low, high), calls in zip(
+                    READINGS, readings, ({c for c in seen if c[0] != trainer_file}, scan_seen,
+                                         {c for c in seen if c[0] == trainer_file})):
+                before += parts
+                per_file = followed_off_path(calls, before)
+                for name, (n, code, words) in sorted(per_file.items()):
+                    rows.append([label, reading, name, n, code, words] + [f"{m:.1f}" for m in minutes(code, words)])
+                fast, slow = minutes(sum(c for _, c, _ in per_file.values()), sum(w for _, _, w in per_file.values()))
+                rows.append([label, f"**{reading}, with its calls**", "", "", "", "", f"{low + fast:.1f}",
+                             f"{high + slow:.1f}"])
+            per_file = followed_off_path(seen | scan_seen)
+            fast, slow = minutes(sum(c for _, c, _ in per_file.values()), sum(w for _, _, w in per_file.values()))
+            rows.append([label, "the path and every call", "", "", "", "",
+                         f"{sum(r[0] for r in readings) + fast:.1f}", f"{sum(r[1] for r in readings) + slow:.1f}"])
     table("Following every call, at least: the functions outside the path that `python train_shakespeare.py` "
-          "runs on a CPU (a training run of seconds, then its sample), then a MambaLM.step, their bodies by the "
-          "same method; the model's files count for the lesson, the trainer's for its first part",
-          ["run", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
+          "runs on a CPU (a training run of seconds, then its sample), then a MambaLM.step, and the parallel scan "
+          "forward and backward, their bodies by the same method; each reading counts what it calls outside "
+          "itself and the readings before it",
+          ["run", "reading", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
 
 
 def main(argv=None):

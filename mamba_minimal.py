@@ -37,8 +37,8 @@ Glossary. One name, one meaning; shape comments use these letters.
     h        the state             (b, L, ED, N), or (b, ED, N) for one step (section 6's CPU form: (b, L, N, ED))
     dA, dBx  the discretized step, exp(Δ·A) and Δ·B·x:  h_t = dA_t·h_{t-1} + dBx_t   (b, L, ED, N)
 
-The recurrence h_t = a_t·h_{t-1} + b_t itself, and every way to run it, lives in pscan.py; read
-that file first.
+The recurrence h_t = a_t·h_{t-1} + b_t itself, and every way to run it, lives in pscan.py: read
+its section 1 first, its parallel scan (sections 3-5, 8) after section 5 here.
 """
 
 import contextlib
@@ -105,8 +105,8 @@ def discretize(x, delta, A, B):
 # Algorithm 2 (the "S6" layer): discretize every token, run h_t = dA_t·h_{t-1} + dBx_t, read each
 # state out with C_t, then add the skip D·x and gate with SiLU(z) (the block's, §3.4, applied
 # inside the scan as the official kernel does). As dA_t, B_t and C_t change with the token, this
-# is no fixed convolution as in S4 (eq. 3): it has to be scanned (pscan.py). selective_scan_reference
-# mirrors the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py).
+# is no fixed convolution as in S4 (eq. 3): it has to be scanned. selective_scan_reference mirrors
+# the official selective_scan_ref (mamba_ssm/ops/selective_scan_interface.py), whose scan is a loop too.
 #
 # Why fp32 whatever the input dtype: bf16's values just below 1 are 2^-8 apart. A decay 0.999
 # (Δ = 0.001, A = -1: the slowest state at init) rounds to 1.0, and Δ·B·x ≈ 0.001 added to a
@@ -121,10 +121,10 @@ def skip_and_gate(y, x, D, z):
     return y
 
 
-def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="pscan", reset=None):
+def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="sequential", reset=None):
     """y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z); section 6 is tested against it.
     x, delta, z: (b, L, ED); A: (ED, N); B, C: (b, L, N); D: (ED,); h0: (b, ED, N) or None;
-    backend: one of pscan.BACKENDS, the same h to rounding; reset: section 8. -> y (b, L, ED) and
+    backend: the loop, or any of pscan.BACKENDS, the same h to rounding; reset: section 8. -> y (b, L, ED) and
     the final state (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
@@ -173,7 +173,7 @@ class MambaConfig:
     attn_cfg: dict = field(default_factory=dict)
     rms_norm: bool = True
     # How to run it, not part of a checkpoint. "reference": sections 2 and 3's code as written,
-    # differentiated by autograd (the scan: pscan.py's tree and its section 8 backward); any other
+    # differentiated by autograd (the scan: pscan.py's loop); any other
     # value: section 6's engine, the same numbers, the value naming the scan it runs
     scan_backend: str = "auto"
     compile_scan: Union[bool, str] = False  # section 6: False, True or "loop"
@@ -348,7 +348,7 @@ class MambaMixer(nn.Module):
         if attention_mask is not None:  # §8 ... and identity steps: Δ = 0 gives dA = 1, dBx = 0
             delta = delta * attention_mask[..., None]
         reset = None if seq_idx is None else F.pad(seq_idx.diff(dim=1) != 0, (1, 0))  # §8: (b, L) new documents
-        if cfg.scan_backend == "reference":  # section 2 as written; autograd, and pscan.py's backward
+        if cfg.scan_backend == "reference":  # section 2 as written, autograd through pscan.py's loop
             y, h_last = selective_scan_reference(x, delta, self.A, B, C, self.D, z, h0, reset=reset)
             y = y.to(x.dtype)  # (b, L, ED)
         else:  # the same numbers by section 6's engine: a backward written by hand, or the fused path

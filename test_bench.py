@@ -334,30 +334,46 @@ def test_a_decorated_function_is_found_at_its_first_decorator(tmp_path):
 def test_bench_reading_prints_the_path_the_readme_times(capsys):
     bench.main(["reading"])
     out = capsys.readouterr().out
-    total = re.search(r"the path, in all \|\s+\|\s+\|\s+([\d.]+) \|\s+([\d.]+) \|", out)
-    low, high = float(total.group(1)), float(total.group(2))
+    figures = lambda label: [float(m) for m in re.search(re.escape(label) + r"\s*\|\s+\|\s+\|\s+([\d.]+) \|\s+([\d.]+) \|",
+                                                          out).groups()]
     readme = " ".join(open(os.path.join(HERE, "README.md"), encoding="utf-8").read().split())
-    claimed = re.search(r"lines a minute\),? (\d+)-(\d+) minutes", readme)
-    assert abs(low - int(claimed.group(1))) <= 0.55 and abs(high - int(claimed.group(2))) <= 0.55, (low, high)
+    close = lambda printed, claimed: abs(printed[0] - int(claimed[0])) <= 0.55 and abs(printed[1] - int(claimed[1])) <= 0.55
+    claimed = re.search(r"Three readings, in this order, (\d+)-(\d+) minutes by a fixed method", readme).groups()
+    assert close(figures("the path, in all"), claimed), claimed
+    # each reading's row of the README's table
+    for (label, _), name in zip(bench.READINGS, ("Mamba-1", "The parallel scan", "The trainer")):
+        row = re.search(r"\| \d\. " + name + r"[^|]*\|[^|]*\| (\d+)-(\d+) min \|", readme)
+        assert row and close(figures(f"**{label}**"), row.groups()), (label, row)
     # what following every call adds, as the README says it, from the table's counts of code lines and
-    # words at the method's rates: the model's calls, with the switch and without, and the trainer's own
-    said = re.search(r"Following every call the model makes adds at least (\d+)-(\d+) minutes by the method "
-                     r"with the switch \(the checks, pscan's appendix A\), (\d+)-(\d+) without \(§6's engine "
-                     r"and the checks\); the trainer's calls add (\d+)-(\d+)", readme)
-    rows = {}  # (run, file or total) -> [functions, code lines, prose words, minutes fast, minutes slow]
-    for row in re.finditer(r"^\|\s*(--scan-backend reference|the default) \|\s*([^|]+?) \|([^\n]*)$", out,
-                           flags=re.M):
-        rows[row.group(1), row.group(2)] = [c.strip() for c in row.group(3).split("|")][:-1]
-    runs, model = ("--scan-backend reference", "the default"), ("mamba_minimal.py", "pscan.py")
-    for (run, files), i in zip(((runs[0], model), (runs[1], model), (runs[0], ("train_shakespeare.py",))), (1, 3, 5)):
-        code, words = (sum(int(rows[run, name][k]) for name in files) for k in (1, 2))
+    # words at the method's rates: the model's calls with the switch and without, the scan's, the trainer's
+    said = re.search(r"Following every call adds at least (\d+)-(\d+) minutes to reading 1 by the method with the "
+                     r"switch \(the checks\), (\d+)-(\d+) without \(§6's engine, the tree\); (\d+)-?(\d*) to reading 2 "
+                     r"\(pscan's appendix A\), (\d+)-(\d+) to reading 3", readme)
+    rows = {}  # (run, reading, file or total) -> [functions, code lines, prose words, minutes fast, minutes slow]
+    for row in re.finditer(r"^\|\s*(--scan-backend reference|the default) \|\s*([^|]+?) \|\s*([^|]*?) \|([^\n]*)$",
+                           out, flags=re.M):
+        rows[row.group(1), row.group(2), row.group(3)] = [c.strip() for c in row.group(4).split("|")][:-1]
+    runs = ("--scan-backend reference", "the default")
+    readings = [label for label, _ in bench.READINGS]
+    for (run, reading), i in zip(((runs[0], readings[0]), (runs[1], readings[0]), (runs[0], readings[1]),
+                                  (runs[0], readings[2])), (1, 3, 5, 7)):
+        files = [k[2] for k in rows if k[:2] == (run, reading)]
+        assert files, (run, reading)
+        code, words = (sum(int(rows[run, reading, name][k]) for name in files) for k in (1, 2))
         fast, slow = bench.minutes(code, words)
-        assert (round(fast), round(slow)) == (int(said.group(i)), int(said.group(i + 1))), (run, files, fast, slow)
-    for run in runs:  # the path and what it calls: the lesson's share and the trainer's
-        parts = [rows[run, name] for name in ("the README, the lesson and what the model calls",
-                                              "the trainer's first part and what it calls")]
-        total = rows[run, "the path and what it calls"]
-        assert all(abs(float(parts[0][k]) + float(parts[1][k]) - float(total[k])) <= 0.11 for k in (3, 4)), run
+        claimed = int(said.group(i)), int(said.group(i + 1) or said.group(i))  # "3": 3-3
+        assert (round(fast), round(slow)) == claimed, (run, reading, fast, slow)
+    for run in runs:  # a reading with its calls: its minutes and what its calls add
+        for reading, (low, high) in zip(readings, ([figures(f"**{label}**") for label in readings])):
+            files = [k[2] for k in rows if k[:2] == (run, reading)]
+            fast, slow = bench.minutes(*(sum(int(rows[run, reading, name][k]) for name in files) for k in (1, 2)))
+            total = rows[run, f"**{reading}, with its calls**", ""]
+            assert abs(low + fast - float(total[3])) <= 0.11 and abs(high + slow - float(total[4])) <= 0.11, (run, reading)
+        # the whole path with every call counts each function once: no more than the readings' sums
+        whole = rows[run, "the path and every call", ""]
+        sums = [sum(float(rows[run, f"**{r}, with its calls**", ""][k]) for r in readings) for k in (3, 4)]
+        path = figures("the path, in all")
+        assert all(p <= float(w) <= s + 0.11 for p, w, s in zip(path, whole[3:], sums)), (run, whole, sums)
 
 
 def test_following_the_calls_counts_each_function_off_the_path_once():

@@ -495,26 +495,30 @@ def test_the_read_path_runs_the_lessons_functions_and_nothing_of_section_6(monke
     assert calls.count("selective_scan_reference") == 2 and calls.count("shifted_sum") == 2  # two layers
 
 
-def test_the_read_path_scans_with_pscans_tree_not_autos_dispatch(monkeypatch):
-    # selective_scan_reference calls pscan.py's tree (sections 5 and 8) itself, so a reader following
-    # its calls reads no backend choice (pscan.py appendix C); "auto" would pick the loop for a
-    # forward-only pass over wide steps on one thread
-    tree = []
-    real_tree = mm.pscan._brent_kung_
-    monkeypatch.setattr(mm.pscan, "_brent_kung_", lambda *a: tree.append(1) or real_tree(*a))
+def test_the_read_path_scans_with_the_loop_not_autos_dispatch(monkeypatch):
+    # selective_scan_reference scans with pscan.py section 1's loop, as the official selective_scan_ref
+    # does, so a reader following its calls reads neither the parallel tree (sections 5 and 8) nor a
+    # backend choice (pscan.py appendix C); "auto" would pick the tree for a training step here
+    loops = []
+    real_loop = mm.pscan.scan_sequential
+    monkeypatch.setattr(mm.pscan, "scan_sequential", lambda *a: loops.append(1) or real_loop(*a))
+    monkeypatch.setattr(mm.pscan, "_brent_kung_", lambda *a: pytest.fail("the tree ran"))
     monkeypatch.setattr(mm.pscan, "choose_backend", lambda *a: pytest.fail("auto's dispatch ran"))
     model = tiny_model(scan_backend="reference")
     F.cross_entropy(model(torch.randint(0, 21, (2, 9))).flatten(0, 1), torch.randint(0, 21, (18,))).backward()
-    assert len(tree) >= 2  # two layers
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():  # (1, 5, 512, 16): a step of 8192 values, wide enough for auto's loop
-            x, delta = torch.randn(1, 5, 512), torch.rand(1, 5, 512)
-            mm.selective_scan_reference(x, delta, -torch.rand(512, 16), torch.randn(1, 5, 16), torch.randn(1, 5, 16))
-    finally:
-        torch.set_num_threads(threads)
-    assert len(tree) >= 3
+    assert len(loops) == 2  # two layers
+    with torch.no_grad():
+        x, delta = torch.randn(1, 5, 8), torch.rand(1, 5, 8)
+        mm.selective_scan_reference(x, delta, -torch.rand(8, 3), torch.randn(1, 5, 3), torch.randn(1, 5, 3))
+    assert len(loops) == 3
+    # the tree is one argument away, for the reader of the parallel scan
+    monkeypatch.undo()
+    tree = []
+    real_tree = mm.pscan._brent_kung_
+    monkeypatch.setattr(mm.pscan, "_brent_kung_", lambda *a: tree.append(1) or real_tree(*a))
+    mm.selective_scan_reference(x, delta, -torch.rand(8, 3), torch.randn(1, 5, 3), torch.randn(1, 5, 3),
+                                backend="pscan")
+    assert tree
 
 
 def test_causality_changing_token_t_leaves_earlier_logits_unchanged():
