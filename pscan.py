@@ -11,8 +11,9 @@ padding sets Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, stat
 Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the combine rule, 4 work
 and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan, 8
 the backward, 9 scan(), the entry point, 10 segment sums (Mamba-2's). The model needs 1 and 9;
-then come 3-5 and 8, the parallel scan; 2, 6, 7 and 10 can wait. The appendix is the engine: A second derivatives, jvp, vmap; B torch's
-associative_scan; C how "auto" chooses; D counting combines; E input checks.
+then come 3-5 and 8, the parallel scan; 2, 6, 7 and 10 can wait. The appendix is the engine: A
+second derivatives, jvp, vmap; B torch's associative_scan; C how "auto" chooses; D counting
+combines; E input checks.
 
 Shapes: a, b and h are (batch, L, *rest), scanned over dim 1, h[:, -1] the final state; h0 is
 (batch, *rest). fp16/bf16 are accumulated in fp32, returned in the input dtype. Inputs are never
