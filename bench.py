@@ -2076,7 +2076,7 @@ def followed_table(readings, quick=False):
     """Run the README's training command for a few seconds (on a text made of the README) with the
     reference switch and without it, and the parallel scan forward and backward (parallel_scan_run),
     and time by the method the functions each reading calls outside itself and the readings before
-    it: what a reader who follows every call reads on top of it. The first reading (the model, its
+    it, and not already called by them: what a reader who follows every call reads on top of it. The first reading (the model, its
     minutes readings[0], fast and slow) follows the run's calls into the model's files, the second
     the parallel scan's, the third the run's calls into the trainer's file. The last row is the
     whole path with every function any of them calls outside it, each counted once."""
@@ -2091,12 +2091,13 @@ def followed_table(readings, quick=False):
         for label, flags in (("--scan-backend reference", ["--scan-backend", "reference"]), ("the default", [])):
             seen = functions_run(["--data", text, "--out-dir", os.path.join(tmp, label[:3]), "--max-time",
                                   "1" if quick else "3", "--device", "cpu"] + flags)
-            before = ()  # the parts of the readings already read
+            before, followed = (), set()  # the parts of the readings already read, and the calls
             for (reading, parts), (low, high), calls in zip(
                     READINGS, readings, ({c for c in seen if c[0] != trainer_file}, scan_seen,
                                          {c for c in seen if c[0] == trainer_file})):
                 before += parts
-                per_file = followed_off_path(calls, before)
+                per_file = followed_off_path(calls - followed, before)
+                followed |= calls
                 for name, (n, code, words) in sorted(per_file.items()):
                     rows.append([label, reading, name, n, code, words] + [f"{m:.1f}" for m in minutes(code, words)])
                 fast, slow = minutes(sum(c for _, c, _ in per_file.values()), sum(w for _, _, w in per_file.values()))
@@ -2109,7 +2110,7 @@ def followed_table(readings, quick=False):
     table("Following every call, at least: the functions outside the path that `python train_shakespeare.py` "
           "runs on a CPU (a training run of seconds, then its sample), then a MambaLM.step, and the parallel scan "
           "forward and backward, their bodies by the same method; each reading counts what it calls outside "
-          "itself and the readings before it",
+          "itself and the readings before it, that they did not call",
           ["run", "reading", "file", "functions", "code lines", "prose words", "minutes, fast", "minutes, slow"], rows)
 
 

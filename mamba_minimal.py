@@ -34,11 +34,12 @@ Glossary. One name, one meaning; shape comments use these letters.
     B, C     the input and output matrices, one N-vector per token, shared by the channels   (b, L, N)
     D        the skip connection y += D·x, one per channel                      (ED,)
     z        the gate's input, y is multiplied by SiLU(z)                       (b, L, ED)
-    h        the state             (b, L, ED, N), or (b, ED, N) for one step (section 6's CPU form: (b, L, N, ED))
+    h        the state             (b, L, ED, N), or (b, ED, N) for one step
     dA, dBx  the discretized step, exp(Δ·A) and Δ·B·x:  h_t = dA_t·h_{t-1} + dBx_t   (b, L, ED, N)
+    V        padded_vocab_size, the vocabulary padded (65 -> 72)
 
 The recurrence h_t = a_t·h_{t-1} + b_t itself, and every way to run it, lives in pscan.py: read
-its section 1 first, its parallel scan (sections 3-5, 8) after section 5 here.
+its sections 1 and 9 first, its parallel scan (sections 3-5, 8) after section 5 here.
 """
 
 import contextlib
@@ -308,7 +309,7 @@ class MambaMixer(nn.Module):
         cfg = self.cfg
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         # The bias is added in fp32 (the official delta_bias): next to a bias of -2 to -7 bf16's
-        # spacing is 1/64 to 1/32, a fifth to two fifths of the data-dependent part at init (std about 0.08).
+        # spacing is 1/64 to 1/32, a large share of the data-dependent part's spread at init.
         dt_raw = _at_least_fp32(F.linear(dt_low, self.dt_proj.weight))  # (..., ED) before softplus
         delta = F.softplus(dt_raw + _at_least_fp32(self.dt_proj.bias))  # (..., ED) Δ > 0
         return delta, B, C
@@ -499,8 +500,8 @@ class MambaLM(nn.Module):
     # --------------------------------------------------------------------------------------------
     # A Mamba layer's whole memory of the past is two small tensors: the conv's last d_conv inputs
     # (b, ED, d_conv) and the SSM state (b, ED, N). So a token costs the same at position 10 and
-    # 10,000, unlike attention, whose KV cache grows. prefill reads the prompt in one parallel pass
-    # and returns these states; then each token is one `step` of every layer.
+    # 10,000, unlike attention, whose KV cache grows. prefill reads the prompt in one pass, as training
+    # does, and returns these states; then each token is one `step` of every layer.
 
     @torch.no_grad()
     def prefill(self, input_ids, cache=None, attention_mask=None):

@@ -4,7 +4,7 @@ pscan.py: the recurrence at the heart of Mamba, and every way to run it
     h_t = a_t * h_{t-1} + b_t          t = 0 .. L-1, from h_{-1} = h0 (zero by default)
 
 In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) the state h(t) of a continuous
-SSM, h'(t) = A·h(t) + B·x(t), with x the layer's input, is sampled with a step Δ_t > 0 computed
+SSM, h'(t) = A·h(t) + B·x(t), with x the SSM's input, is sampled with a step Δ_t > 0 computed
 from the token: Ā_t = exp(Δ_t·A) and B̄_t ≈ Δ_t·B_t (to first order, as the official code does;
 mamba_minimal.py §1 derives both). With A < 0, a_t = Ā_t is a decay in (0, 1) (exactly 1 where
 padding sets Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.

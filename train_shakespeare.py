@@ -52,8 +52,7 @@ ARCH_DEFAULTS = {
     # Mamba-3 at d_state 32: a CPU step costs about 1.04x Mamba-2's at 64 (python bench.py mamba3)
     "mamba3": {"cpu": dict(d_model=128, n_layer=7, d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
     # The yardstick (gpt_minimal.py): nanoGPT's Shakespeare settings (config/train_shakespeare_char.py)
-    # less its dropout 0.2; on a CPU time-based, in the 2 x 192 shape that won the sweep at 300 s; on a
-    # GPU its baby GPT
+    # without dropout; on a CPU the 2 x 192 shape that won the sweep at 300 s, on a GPU its baby GPT
     "gpt": {"cpu": dict(d_model=192, n_layer=2, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
             "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
