@@ -691,6 +691,14 @@ SWEEP_ROUNDS = {
 }
 
 
+def with_flags(base, point):
+    """The trainer's flags base (pairs "--name", "value") with point's on top: a flag point sets
+    replaces base's, so that the command names it once."""
+    merged = dict(zip(base[::2], base[1::2]))
+    merged.update(zip(point[::2], point[1::2]))
+    return [token for pair in merged.items() for token in pair]
+
+
 def bench_sweep(args, device):
     """The points of round --round (SWEEP_ROUNDS), each trained by train_shakespeare.py for
     --max-time seconds, paired as above; per model, each point's steps, ms per step and best val
@@ -702,8 +710,8 @@ def bench_sweep(args, device):
     results = {"mamba": [], "gpt": []}
     for i, (mamba_flags, gpt_flags) in enumerate(pairs):
         print(f"point {i + 1}/{len(pairs)}", flush=True)
-        group = [("mamba", base["mamba"] + mamba_flags, os.path.join(out_root, f"mamba-{i}")),
-                 ("gpt", ["--arch", "gpt"] + base["gpt"] + gpt_flags, os.path.join(out_root, f"gpt-{i}"))]
+        group = [("mamba", with_flags(base["mamba"], mamba_flags), os.path.join(out_root, f"mamba-{i}")),
+                 ("gpt", ["--arch", "gpt"] + with_flags(base["gpt"], gpt_flags), os.path.join(out_root, f"gpt-{i}"))]
         runs = train_runs(group, argparse.Namespace(**dict(vars(args), together=True)), device, env)
         for (name, flags), (_, curve, (steps, ms)) in zip((("mamba", mamba_flags), ("gpt", gpt_flags)), runs):
             results[name].append((" ".join(flags) or "(defaults)", steps, ms, min(v for _, v in curve)))

@@ -276,6 +276,16 @@ def test_a_race_verdict_needs_a_spread_over_two_runs_or_more():
     assert "a tie" in bench.race_verdict(0.005, 0.01, 3, labels)
 
 
+def test_a_sweep_point_replaces_the_flags_of_its_base_and_names_each_once():
+    base = ["--n-layer", "5", "--d-model", "160", "--d-state", "4"]
+    assert bench.with_flags(base, ["--d-state", "2", "--lr", "1e-3"]) == \
+        ["--n-layer", "5", "--d-model", "160", "--d-state", "2", "--lr", "1e-3"]
+    assert bench.with_flags(base, []) == base
+    for base, grid in bench.SWEEP_ROUNDS.values():  # every point is "--name value" pairs
+        for flags in [base["mamba"], base["gpt"]] + grid["mamba"] + grid["gpt"]:
+            assert len(flags) % 2 == 0 and all(f.startswith("--") for f in flags[::2]), flags
+
+
 def test_reading_counts_code_lines_and_prose_words_as_the_readme_method_says(tmp_path):
     path = tmp_path / "lesson.py"
     path.write_text('"""A module docstring of six words."""\n'
