@@ -3,7 +3,7 @@ mamba_minimal.py: Mamba (Gu & Dao 2023, arXiv 2312.00752) in plain PyTorch, comp
 official checkpoints.
 
 Read it top to bottom: sections 1 to 5 are the whole model. By default their scan, and the conv's
-backward, run through section 6's engine (the same numbers to rounding; a CPU training step 1.2-1.5
+backward, run through section 6's engine (the same numbers to rounding; a CPU training step 1.3-1.4
 times as fast: RESULTS.md); MambaConfig(scan_backend="reference") runs sections 2 and 3's code
 itself: the two paths sit side by side in MambaMixer. With that switch, sections 1 to 5 call later
 code only for input checks and options.
@@ -79,8 +79,8 @@ def _at_least_fp32(t):
 #
 #     h_t = Ā·h_{t-1} + B̄·x_t,      Ā = exp(Δ·A),      B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B ≈ Δ·B
 #
-# Ā is exactly how the state decays over a step, whatever x does; B̄ is kept to first order, Δ·B,
-# as in the official selective_scan_ref. Not plain Euler, whose 1 + Δ·A could leave (0, 1).
+# Ā is exactly how the state decays over a step, whatever x does; B̄ is kept to first order,
+# Euler's Δ·B, as in the official selective_scan_ref. Ā is not Euler's 1 + Δ·A, which could leave (0, 1).
 #
 # Why A_log: A = -exp(A_log) < 0 and Δ = softplus(·) > 0 put every decay exp(Δ·A) in (0, 1), and no
 # optimizer step can make A positive. A large Δ forgets the past and takes the input in; a small
@@ -305,7 +305,7 @@ class MambaMixer(nn.Module):
         return -torch.exp(_at_least_fp32(self.A_log))
 
     def _ssm_inputs(self, x):
-        """x (..., ED) after the conv -> delta (..., ED) fp32, B (..., N), C (..., N)."""
+        """x (..., ED) after the conv -> delta (..., ED) in fp32 at least, B (..., N), C (..., N)."""
         cfg = self.cfg
         dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
         # The bias is added in fp32 (the official delta_bias): next to a bias of -2 to -7 bf16's
@@ -400,9 +400,9 @@ class Block(nn.Module):
         norm_cls = RMSNorm if cfg.rms_norm else LayerNorm
         self.norm = norm_cls(cfg.d_model, cfg.norm_epsilon)
         # mamba2_minimal.py passes its Mamba2Mixer, as the official create_block does
-        self.mixer = MHA(cfg) if layer_idx in cfg.attn_layer_idx else mixer_cls(cfg)
+        self.mixer = MHA(cfg) if layer_idx in cfg.attn_layer_idx else mixer_cls(cfg)  # §9: attention
         self.mlp = None
-        if cfg.d_intermediate > 0:
+        if cfg.d_intermediate > 0:  # §9: an MLP
             self.norm2 = norm_cls(cfg.d_model, cfg.norm_epsilon)
             self.mlp = GatedMLP(cfg)
         self.residual_in_fp32 = cfg.residual_in_fp32

@@ -418,8 +418,8 @@ def pscan(a, b, h0=None):
 # ------------------------------------------------------------------------------------------------
 # 9. One entry point
 # ------------------------------------------------------------------------------------------------
-# "auto" runs pscan, or the loop for forward-only passes over wide steps, on one CPU thread or on
-# a GPU (appendix C); "associative" is torch's own scan (appendix B).
+# The backends of sections 1 and 5-7, and torch's own (appendix B). "auto" runs pscan, or the loop
+# for forward-only passes over wide steps, on one CPU thread or on a GPU (appendix C).
 
 BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative")
 

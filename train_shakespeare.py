@@ -6,11 +6,10 @@ train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"  # generate from the best checkpoint
     torchrun --nproc_per_node=2 train_shakespeare.py        # data parallel (gloo on CPU, nccl on CUDA)
 
-The first part reads in the order of nanoGPT's train.py: settings, data, models, learning rate,
-training step, evaluation, sampling, the run. Each call into the plumbing after it says what it does
-by its name or a comment. A run is time-based (--max-time, the CPU default: the learning rate, the
-evaluations and the stop follow the fraction of the budget spent) or iteration-based (--max-iters,
-the CUDA default).
+The first part reads in the order of nanoGPT's train.py; each call into the plumbing after it says
+what it does by its name or a comment. A run is time-based (--max-time, the CPU default: the learning
+rate, the evaluations and the stop follow the fraction of the budget spent) or iteration-based
+(--max-iters, the CUDA default).
 """
 
 import argparse
