@@ -80,7 +80,8 @@ def _at_least_fp32(t):
 #     h_t = Ā·h_{t-1} + B̄·x_t,      Ā = exp(Δ·A),      B̄ = (Δ·A)^-1 (exp(Δ·A) - 1)·Δ·B ≈ Δ·B
 #
 # Ā is exactly how the state decays over a step, whatever x does; B̄ is kept to first order,
-# Euler's Δ·B, as in the official selective_scan_ref. Ā is not Euler's 1 + Δ·A, which could leave (0, 1).
+# Euler's Δ·B, as in the official selective_scan_ref. Ā is not Euler's 1 + Δ·A, which could
+# leave (0, 1).
 #
 # Why A_log: A = -exp(A_log) < 0 and Δ = softplus(·) > 0 put every decay exp(Δ·A) in (0, 1), and no
 # optimizer step can make A positive. A large Δ forgets the past and takes the input in; a small
@@ -125,8 +126,8 @@ def skip_and_gate(y, x, D, z):
 def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="sequential", reset=None):
     """y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z); section 6 is tested against it.
     x, delta, z: (b, L, ED); A: (ED, N); B, C: (b, L, N); D: (ED,); h0: (b, ED, N) or None;
-    backend: the loop, or any of pscan.BACKENDS, the same h to rounding; reset: section 8. -> y (b, L, ED) and
-    the final state (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
+    backend: the loop, or any of pscan.BACKENDS, the same h to rounding; reset: section 8.
+    -> y (b, L, ED) and the final state (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
     dA, dBx = discretize(x, delta, A, B)  # (b, L, ED, N) each
