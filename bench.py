@@ -2084,12 +2084,15 @@ def followed_table(readings, quick=False):
     """Run the README's training command for a few seconds (on a text made of the README) with the
     reference switch and without it, and the parallel scan forward and backward (parallel_scan_run),
     and time by the method the functions each reading calls outside itself and the readings before
-    it, and not already called by them: what a reader who follows every call reads on top of it. The first reading (the model, its
-    minutes readings[0], fast and slow) follows the run's calls into the model's files, the second
-    the parallel scan's, the third the run's calls into the trainer's file. The last row is the
-    whole path with every function any of them calls outside it, each counted once."""
+    it, and not already called by them: what a reader who follows every call reads on top of it.
+    The first reading (the model, its minutes readings[0], fast and slow) follows the run's calls
+    into the model's files, the second the parallel scan's, the third the run's calls into the
+    trainer's file. The last row is the whole path with every function any of them calls outside
+    it, each counted once."""
     here = os.path.dirname(os.path.abspath(__file__))
-    trainer_file = READINGS[2][1][0][1]
+    trainer_file = READINGS[2][1][0][1]  # the third reading's one file
+    called_minutes = lambda per_file: minutes(sum(c for _, c, _ in per_file.values()),
+                                              sum(w for _, _, w in per_file.values()))
     scan_seen = parallel_scan_run()
     with tempfile.TemporaryDirectory() as tmp:
         text = os.path.join(tmp, "text.txt")
@@ -2108,11 +2111,10 @@ def followed_table(readings, quick=False):
                 followed |= calls
                 for name, (n, code, words) in sorted(per_file.items()):
                     rows.append([label, reading, name, n, code, words] + [f"{m:.1f}" for m in minutes(code, words)])
-                fast, slow = minutes(sum(c for _, c, _ in per_file.values()), sum(w for _, _, w in per_file.values()))
+                fast, slow = called_minutes(per_file)
                 rows.append([label, f"**{reading}, with its calls**", "", "", "", "", f"{low + fast:.1f}",
                              f"{high + slow:.1f}"])
-            per_file = followed_off_path(seen | scan_seen)
-            fast, slow = minutes(sum(c for _, c, _ in per_file.values()), sum(w for _, _, w in per_file.values()))
+            fast, slow = called_minutes(followed_off_path(seen | scan_seen))
             rows.append([label, "the path and every call", "", "", "", "",
                          f"{sum(r[0] for r in readings) + fast:.1f}", f"{sum(r[1] for r in readings) + slow:.1f}"])
     table("Following every call, at least: the functions outside the path that `python train_shakespeare.py` "
