@@ -42,16 +42,19 @@ and pscan.scan for the recurrence across chunks.
 
 import functools
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hybrid
+import mamba_engine as eng
 import mamba_minimal as mm
 import pscan
-from mamba_minimal import RMSNorm, _at_least_fp32, _in_compute_dtype, _without_autocast
+from mamba_engine import _in_compute_dtype, _without_autocast
+from mamba_minimal import RMSNorm, _at_least_fp32
 from pscan import segsum
 
 
@@ -384,11 +387,11 @@ class Mamba2Config:
             raise ValueError(f"dt_limit must be (low, high) with 0 <= low <= high, got {self.dt_limit}")
         if not mm._is_positive_number(self.norm_epsilon):  # not `> 0` alone: None or a string would raise a TypeError
             raise ValueError(f"Mamba2Config.norm_epsilon must be positive, got {self.norm_epsilon!r}")
-        mm._check_dt_init(self)
+        mm.check_dt_init(self)
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba2Config.scan_backend must be one of {pscan.BACKENDS}, "
                              f"got {self.scan_backend!r}")
-        mm._check_hybrid_fields(self)
+        hybrid._check_hybrid_fields(self)
 
     @property
     def d_inner(self):
@@ -462,6 +465,7 @@ class Mamba2Mixer(nn.Module):
     # "reference" scan_backend, so the conv runs as _CausalConv: shifted_sum with its backward
     # written out (mamba_minimal.py section 6), the same numbers to rounding
     causal_conv = mm.MambaMixer.causal_conv
+    conv_fn = staticmethod(eng._CausalConv.apply)
     conv_step = mm.MambaMixer.conv_step
 
     @torch.no_grad()
@@ -585,11 +589,12 @@ def _compiled_forward(device_type):
     shared by every mixer in the process: each new config or shape compiles again. Its backward
     is compiled with its forward, so that a compiler that fails, at either, fails inside the call
     and the call runs eagerly instead (mamba_minimal.CompiledOrEager)."""
-    return mm.CompiledOrEager(Mamba2Mixer._forward, f"Mamba-2's mixer on {device_type}", compile_backward_now=True,
+    return eng.CompiledOrEager(Mamba2Mixer._forward, f"Mamba-2's mixer on {device_type}", compile_backward_now=True,
                               dynamic=False)
 
 
 class Mamba2LM(mm.MambaLM):
+    backbone_cls = hybrid.HybridMamba  # the official configs' MLP and attention layers (mamba2attn)
     """The language model, module tree as the official MambaLMHeadModel with Mamba2 mixers:
     backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{in_proj, conv1d,
     dt_bias, A_log, D, norm, out_proj}, backbone.norm_f, lm_head.
@@ -603,16 +608,6 @@ class Mamba2LM(mm.MambaLM):
     def __init__(self, cfg: Mamba2Config):
         super().__init__(cfg, mixer_cls=Mamba2Mixer)  # Block and MixerModel as in Mamba-1
 
-    @classmethod
-    def from_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
-        """Load a checkpoint folder (official or transformers layout) or a hub id; see section 6."""
-        return load_pretrained(cls, path_or_id, device, dtype, **overrides)
-
-    def save_pretrained(self, folder, safe_serialization=None):
-        """Write config.json (ssm_cfg.layer "Mamba2") and the weights in the official layout; see section 6."""
-        return mm.save_pretrained(self, folder, mm.config_to_dict(self.cfg, "Mamba2", _OFFICIAL_SSM_FIELDS),
-                                  safe_serialization)
-
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
     # --------------------------------------------------------------------------------------------
@@ -622,94 +617,6 @@ class Mamba2LM(mm.MambaLM):
     # Mamba2Mixer.step (section 1's ssd_step on the cache), after MambaLM.step has checked the
     # cache against every mixer's cache_spec. prefill(ids, cache=cache) continues a cache with many
     # tokens at once: ssd() starts from its state (h0) and the conv reads its buffer.
-
-
-# ------------------------------------------------------------------------------------------------
-# 6. Loading checkpoints
-# ------------------------------------------------------------------------------------------------
-# Official (state-spaces/mamba2-130m ...): config.json with d_model, d_intermediate, n_layer,
-# vocab_size, ssm_cfg = {"layer": "Mamba2", d_state, headdim, ngroups, chunk_size ...},
-# attn_layer_idx and attn_cfg (the hybrid mamba2attn-2.7b: mamba_minimal.py section 9),
-# pad_vocab_size_multiple (16 for those models), tie_embeddings; pytorch_model.bin under our names.
-# transformers (Mamba2ForCausalLM): config.json with hidden_size, num_hidden_layers, num_heads,
-# head_dim, state_size, n_groups, ...; the same names except backbone.embeddings.*; often
-# model.safetensors without the tied lm_head.weight; the vocab as saved (never padded), and
-# tie_word_embeddings false unless it says otherwise.
-
-_HF_FIELDS = {  # transformers Mamba2Config name -> Mamba2Config name
-    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
-    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim",
-    "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_min": "dt_min",
-    "time_step_max": "dt_max", "time_step_floor": "dt_init_floor", "time_step_limit": "dt_limit",
-    "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
-    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
-}
-_OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
-                        "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
-# official Mamba2 options that only change how it runs or how it is initialized
-_OFFICIAL_IGNORED = {"use_mem_eff_path", "conv_init", "layer_idx", "process_group", "sequence_parallel"}
-# official Mamba2 options we support only at their default value
-_OFFICIAL_FIXED = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
-
-
-def _number(v):
-    """transformers 5 writes inf to config.json as {"__float__": "Infinity"}; json writes Infinity."""
-    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
-
-
-def config_from_dict(d, **overrides):
-    """A Mamba2Config from an official or a transformers config.json dict."""
-    if "hidden_size" in d or "num_hidden_layers" in d:
-        if d.get("model_type") == "mamba2" and "head_dim" not in d:
-            raise ValueError(f"config.json is missing the field head_dim (found {sorted(d)})")
-        if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
-            raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
-                             f"Mamba-2; for Mamba-1 use mamba_minimal.MambaLM.from_pretrained")
-        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
-        kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
-        kwargs.setdefault("tie_embeddings", False)  # transformers' default
-        kwargs["pad_vocab_size_multiple"] = 1  # transformers never pads the vocab
-        if d.get("rms_norm") is False:
-            raise ValueError("rms_norm: false (no gated norm in the mixer) is not supported")
-        if d.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
-        heads = d.get("num_heads")
-        width = d.get("expand", 2) * d.get("hidden_size", 0)
-        if heads is not None and heads * d["head_dim"] != width:
-            raise ValueError(f"num_heads * head_dim = {heads} * {d['head_dim']} must equal expand * "
-                             f"hidden_size = {width}")
-    else:
-        required = ["d_model", "n_layer", "vocab_size"]
-        ssm_cfg = dict(mm._ssm_cfg(d))
-        layer = ssm_cfg.pop("layer", "Mamba1")
-        if layer != "Mamba2":
-            raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
-                             f"only (for Mamba-1 use mamba_minimal.MambaLM.from_pretrained)")
-        for name, value in _OFFICIAL_FIXED.items():
-            if ssm_cfg.pop(name, value) != value:
-                raise ValueError(f"ssm_cfg.{name} = {not value} is not supported (only {value})")
-        unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED
-        if unknown:
-            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
-        kwargs = mm.official_lm_fields(d, {f.name for f in fields(Mamba2Config)})  # with the hybrid fields
-        kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS})
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
-    for name in ("dt_limit", "A_init_range"):
-        if isinstance(kwargs.get(name), (list, tuple)):  # anything else is Mamba2Config's to refuse by name
-            kwargs[name] = tuple(_number(v) for v in kwargs[name])
-    kwargs.update(overrides)
-    return Mamba2Config(**kwargs)
-
-
-def load_pretrained(cls, path_or_id, device=None, dtype=None, **overrides):
-    """Mamba-1's loader with this file's config_from_dict: the same folder and hub handling, key
-    mapping (embeddings -> embedding, the re-tied head), strict checks, and A_log and D kept in
-    fp32 under a half-precision dtype."""
-    mm._check_load_arguments(Mamba2Config, dtype, overrides)
-    folder = mm._resolve_folder(path_or_id)
-    return mm.load_weights(cls, config_from_dict(mm.read_config_json(folder), **overrides), folder, device, dtype)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -55,16 +55,17 @@ scan across chunks and segsum (section 10 there, the segment sums of Mamba-2).
 """
 
 import math
-import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hybrid
 import mamba_minimal as mm
 import pscan
-from mamba_minimal import RMSNorm, _at_least_fp32, _in_compute_dtype, _without_autocast
+from mamba_engine import _in_compute_dtype, _without_autocast
+from mamba_minimal import RMSNorm, _at_least_fp32
 from pscan import segsum
 
 TWO_PI = 2 * math.pi
@@ -492,7 +493,7 @@ class Mamba3Config:
         if self.d_state % 2 or self.num_rope_angles < 1:
             raise ValueError(f"d_state must be even and leave at least one rotated pair at rope_fraction "
                              f"{self.rope_fraction}, got d_state = {self.d_state}")
-        mm._check_dt_init(self)
+        mm.check_dt_init(self)
         if not mm._is_positive_number(self.norm_epsilon):  # -1 or NaN: every norm, so every logit, NaN
             raise ValueError(f"Mamba3Config.norm_epsilon must be a positive number, got {self.norm_epsilon!r}")
         if not mm._is_positive_number(self.A_floor):
@@ -502,7 +503,7 @@ class Mamba3Config:
                              f"main; \"softplus\": the March 2026 release), got {self.A_activation!r}")
         if self.scan_backend not in pscan.BACKENDS:
             raise ValueError(f"Mamba3Config.scan_backend must be one of {pscan.BACKENDS}, got {self.scan_backend!r}")
-        mm._check_hybrid_fields(self)
+        hybrid._check_hybrid_fields(self)
 
     @property
     def d_inner(self):
@@ -688,6 +689,7 @@ def cast_parameters(model, dtype):
 
 
 class Mamba3LM(mm.MambaLM):
+    backbone_cls = hybrid.HybridMamba  # the official checkpoints have a GatedMLP after every mixer
     """The language model, module tree as the official MambaLMHeadModel with Mamba3 mixers:
     backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{in_proj, dt_bias,
     B_bias, C_bias, B_norm, C_norm, D, out_proj (, mimo_x, mimo_z, mimo_o, norm)}, backbone.norm_f,
@@ -725,124 +727,6 @@ class Mamba3LM(mm.MambaLM):
     # the cache (Mamba3Mixer.step). MambaLM's step, generate and generate_stream run unchanged, and
     # prefill(ids, cache=cache) continues a cache: mamba3_chunked starts from its four tensors.
 
-    @classmethod
-    def from_pretrained(cls, path, device=None, dtype=None, **overrides):
-        """Load a checkpoint folder in the official layout; see section 6."""
-        return load_pretrained(cls, path, device, dtype, **overrides)
-
-    def save_pretrained(self, folder, safe_serialization=None):
-        """Write config.json (ssm_cfg.layer "Mamba3") and the weights in the official layout; see section 6."""
-        return mm.save_pretrained(self, folder, mm.config_to_dict(self.cfg, "Mamba3", _OFFICIAL_SSM_FIELDS,
-                                                                  _OUR_SSM_FIELDS), safe_serialization)
-
-
-# ------------------------------------------------------------------------------------------------
-# 6. Loading checkpoints
-# ------------------------------------------------------------------------------------------------
-# The official layout (official MambaLMHeadModel.save_pretrained, mixer_seq_simple.py): config.json
-# holds MambaConfig's fields, d_model, d_intermediate, n_layer, vocab_size, ssm_cfg = {"layer":
-# "Mamba3", and any Mamba3 argument: d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
-# attn_layer_idx, attn_cfg (the hybrid fields: mamba_minimal.py section 9), rms_norm,
-# residual_in_fp32, fused_add_norm, pad_vocab_size_multiple, tie_embeddings; the weights in
-# pytorch_model.bin (or model.safetensors) under our names. The published Mamba-3 checkpoints
-# (state-spaces/mamba3-*) come in this layout, with a GatedMLP after every mixer; which A they
-# need is A_variant_losses' question (below). The tests write their own checkpoints.
-
-_OFFICIAL_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
-                        "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
-# official Mamba3 arguments (official main, e9594ce) that change only how it runs:
-# fuse_pregate_headwise_norm moves MIMO's output norm and gate into the kernel (the same
-# arithmetic), dropout is unused, layer_idx and n_layer place the layer, device and dtype say
-# where and in what its parameters are made
-_OFFICIAL_IGNORED = {"fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer", "device", "dtype"}
-# not an official argument: this file's choice of A (Mamba3Config.A_activation)
-_OUR_SSM_FIELDS = {"A_activation"}
-
-
-def config_from_dict(d, **overrides):
-    """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3").
-    ssm_cfg fields that the official Mamba3 does not take are dropped with a warning, as its **kwargs
-    drops them (at e9594ce)."""
-    ssm_cfg = d.get("ssm_cfg")
-    if not isinstance(ssm_cfg, dict):
-        raise ValueError(f"config.json must hold ssm_cfg = {{\"layer\": \"Mamba3\", ...}}, got "
-                         f"{type(ssm_cfg).__name__ if ssm_cfg is not None else 'none'}")
-    ssm_cfg = dict(ssm_cfg)
-    layer = ssm_cfg.pop("layer", "Mamba1")
-    if layer != "Mamba3":
-        raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
-                         f"(Mamba1: mamba_minimal.MambaLM, Mamba2: mamba2_minimal.Mamba2LM)")
-    unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS - _OFFICIAL_IGNORED - _OUR_SSM_FIELDS
-    if unknown:  # the official Mamba3 takes **kwargs and drops them: the same model, said out loud
-        warnings.warn(f"config.json's ssm_cfg fields {sorted(unknown)} are not Mamba3 arguments; ignored, as the "
-                      f"official Mamba3 module ignores them")
-    missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in d]
-    if missing:
-        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
-    kwargs = mm.official_lm_fields(d, {f.name for f in fields(Mamba3Config)})  # with the hybrid fields
-    kwargs.update({k: v for k, v in ssm_cfg.items() if k in _OFFICIAL_SSM_FIELDS | _OUR_SSM_FIELDS})
-    kwargs.update(overrides)
-    return Mamba3Config(**kwargs)
-
-
-def load_pretrained(cls, path, device=None, dtype=None, **overrides):
-    """Mamba-1's loader (folder and hub handling, strict key checks, weights_only=True: a pickle that
-    would run code is refused) with this file's config_from_dict and fp32 list."""
-    mm._check_load_arguments(Mamba3Config, dtype, overrides)
-    folder = mm._resolve_folder(path)
-    return mm.load_weights(cls, config_from_dict(mm.read_config_json(folder), **overrides), folder, device, dtype,
-                           keep_fp32=_FP32_PARAMETERS)
-
-
-# Which A a checkpoint needs. Official main computes A with the heavy-tail activation, the March
-# 2026 release with softplus, and config.json does not say which one trained the weights. Running
-# the checkpoint both ways on real text answers it: the wrong A changes every decay rate, and with
-# them every logit, and its loss is the clearly higher one.
-
-@torch.no_grad()
-def A_variant_losses(path_or_model, input_ids, **load_kwargs):
-    """The mean next-token loss (nats per token) of a checkpoint with each A_activation.
-
-    Args:
-        path_or_model: a folder or hub id, as Mamba3LM.from_pretrained takes it (load_kwargs are
-                       passed on: device, dtype, overrides), or a loaded Mamba3LM
-        input_ids:     (b, L) token ids of some text, L ≥ 2, from the checkpoint's own tokenizer
-                       (this function reads ids only; tokenizing is the caller's)
-    Returns:
-        {"heavy_tail": loss, "softplus": loss}: the cross-entropy of each token given the ones
-        before it, over the vocabulary (the logits of padding entries left out, as a loss over the
-        text's tokens reads them), averaged over the b·(L − 1) predictions. A model passed in is
-        left with the A_activation it had.
-    """
-    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
-            or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2):
-        raise ValueError(f"input_ids must be an integer tensor of shape (b, L) with b >= 1 and L >= 2, got "
-                         f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
-                         f" of shape {_shape(input_ids)}")
-    if isinstance(path_or_model, Mamba3LM):
-        if load_kwargs:
-            raise ValueError(f"load_kwargs apply to a path only, got {sorted(load_kwargs)} with a loaded model")
-        model = path_or_model
-    else:
-        model = Mamba3LM.from_pretrained(path_or_model, **load_kwargs)
-    cfg = model.cfg
-    if not 0 <= input_ids.min() <= input_ids.max() < cfg.vocab_size:
-        raise ValueError(f"input_ids must lie in [0, vocab_size = {cfg.vocab_size}), got "
-                         f"[{input_ids.min().item()}, {input_ids.max().item()}]")
-    ids = input_ids.to(model.lm_head.weight.device)
-    kept = cfg.A_activation
-    losses = {}
-    try:
-        for variant in A_ACTIVATIONS:
-            cfg.A_activation = variant  # every mixer reads the model's one config
-            total = 0.0
-            for row in ids:  # one row at a time: a (L, vocab) logits tensor is the largest one held
-                logits = _at_least_fp32(model(row[None])[0, :-1, :cfg.vocab_size])  # (L - 1, vocab)
-                total += F.cross_entropy(logits, row[1:], reduction="sum").item()
-            losses[variant] = total / (ids.shape[0] * (ids.shape[1] - 1))
-    finally:
-        cfg.A_activation = kept
-    return losses
 
 
 # ------------------------------------------------------------------------------------------------

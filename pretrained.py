@@ -1,5 +1,10 @@
 """
-pretrained.py: run an official Mamba checkpoint (Mamba-1, -2 or -3) with its tokenizer.
+pretrained.py: official Mamba checkpoints (Mamba-1, -2 and -3, and the hybrids) in and out, and a
+command that runs one with its tokenizer.
+
+    import pretrained
+    model = pretrained.load("state-spaces/mamba-130m")   # or a folder; any generation, any layout
+    pretrained.save(model, "my-folder")                  # config.json and the weights, official layout
 
     python pretrained.py generate state-spaces/mamba-130m --prompt "The meaning of life is"
     python pretrained.py generate state-spaces/mamba3-siso-187m --prompt "Hello" --dtype bf16
@@ -7,8 +12,9 @@ pretrained.py: run an official Mamba checkpoint (Mamba-1, -2 or -3) with its tok
 
 MODEL is a hub id (downloaded with huggingface_hub) or a folder holding config.json and the
 weights, in the official layout or in transformers' (-hf). config.json says which generation it
-is (ssm_cfg.layer, or transformers' model_type), and so which of MambaLM, Mamba2LM and Mamba3LM
-loads it. The official checkpoints ship no tokenizer: Mamba-1 and Mamba-2 were trained on the Pile
+is (ssm_cfg.layer, or transformers' model_type), and so which of MambaLM (HybridMambaLM with
+attention or MLP layers), Mamba2LM and Mamba3LM loads it. The model files know no checkpoint
+layout: this file maps every layout onto their module trees. The official checkpoints ship no tokenizer: Mamba-1 and Mamba-2 were trained on the Pile
 with GPT-NeoX's (EleutherAI/gpt-neox-20b, as the official benchmarks/benchmark_generation_mamba_simple.py
 loads it), the Mamba-3 checkpoints with Llama 3's (meta-llama/Llama-3.1-8B, a gated repository: accept
 its license on the hub and log in, or pass --tokenizer with a folder or another copy of it). A folder
@@ -17,16 +23,27 @@ transformers package; the model itself needs only torch.
 """
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import math
 import os
 import sys
 import time
+import warnings
+from dataclasses import fields
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+import mamba3_minimal as m3
+import mamba_engine as eng
 import mamba_minimal as mm
+from hybrid import HybridMambaConfig, HybridMambaLM
+from mamba_minimal import MambaConfig, MambaLM
+from mamba2_minimal import Mamba2Config, Mamba2LM
+from mamba3_minimal import A_ACTIVATIONS, Mamba3Config, Mamba3LM
 
 # The tokenizer each generation's official checkpoints were trained with (see the docstring).
 TOKENIZERS = {1: "EleutherAI/gpt-neox-20b", 2: "EleutherAI/gpt-neox-20b", 3: "meta-llama/Llama-3.1-8B"}
@@ -48,23 +65,681 @@ def generation_of(config):
         raise ValueError(f"config.json's ssm_cfg.layer must be Mamba1, Mamba2 or Mamba3, got {layer!r}")
     return int(layer[-1])
 
+# ------------------------------------------------------------------------------------------------
+# 1. Reading a folder: config.json, the weights, hub ids
+# ------------------------------------------------------------------------------------------------
+# pad_vocab_size_multiple, ...; weights in pytorch_model.bin under our key names.
+# transformers (state-spaces/mamba-130m-hf ...): config.json with hidden_size, num_hidden_layers,
+# state_size, ...; weights under the same names except backbone.embeddings.*, often as
+# model.safetensors, which may leave out the tied lm_head.weight. Larger checkpoints come in shards
+# that an index.json lists. In order: config.json -> a config; the folder (or hub repository) ->
+# one dict of tensors; a model built without memory for its parameters -> those tensors assigned
+# to it; and save_pretrained, which writes the official layout back.
 
-def model_class(generation):
-    if generation == 1:
-        return mm.MambaLM
-    if generation == 2:
-        import mamba2_minimal
-        return mamba2_minimal.Mamba2LM
-    import mamba3_minimal
-    return mamba3_minimal.Mamba3LM
+_HF_FIELDS = {  # transformers name -> MambaConfig name
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "time_step_rank": "dt_rank",
+    "use_conv_bias": "conv_bias", "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
+    "time_step_floor": "dt_init_floor", "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon",
+    "tie_word_embeddings": "tie_embeddings",
+    "residual_in_fp32": "residual_in_fp32", "time_step_init_scheme": "dt_init",
+}
+_OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor",
+                        "dt_scale", "conv_bias", "bias", "dt_init"}
 
+
+def config_from_dict(d, **overrides):
+    """A MambaConfig (HybridMambaConfig where the hybrid fields are set) from an official or a
+    transformers config.json dict."""
+    ours = {f.name for f in fields(HybridMambaConfig)}
+    to_mamba2 = "; load it with pretrained.load (Mamba2LM)"
+    if "hidden_size" in d or "num_hidden_layers" in d:
+        if d.get("model_type") == "mamba2" or "head_dim" in d or "num_heads" in d:
+            raise ValueError("config.json describes a Mamba-2 model (transformers' Mamba2ForCausalLM)" + to_mamba2)
+        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
+        kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
+        # transformers never pads the vocabulary (a config.json converted from the official one may
+        # still carry pad_vocab_size_multiple): its embedding has exactly vocab_size rows
+        kwargs["pad_vocab_size_multiple"] = 1
+    else:
+        required = ["d_model", "n_layer", "vocab_size"]
+        ssm_cfg = dict(_ssm_cfg(d))
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba1":
+            raise ValueError(f"MambaLM covers Mamba-1 only; config.json asks for {layer}"
+                             + (to_mamba2 if layer == "Mamba2" else ""))
+        ssm_cfg.pop("use_fast_path", None)  # the choice of the official CUDA path: nothing to do here
+        unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS
+        if unknown:
+            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+        kwargs = official_lm_fields(d, ours)  # with hybrid.py's d_intermediate, attn_layer_idx, attn_cfg, rms_norm
+        kwargs.update(ssm_cfg)
+        if "tie_embeddings" not in d and "tie_word_embeddings" in d:
+            kwargs["tie_embeddings"] = d["tie_word_embeddings"]
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
+    if kwargs.get("dt_rank") is None:
+        kwargs["dt_rank"] = "auto"
+    kwargs.update(overrides)
+    if not _is_plain(kwargs):
+        return HybridMambaConfig(**kwargs)
+    return MambaConfig(**{k: v for k, v in kwargs.items() if k not in _HYBRID_FIELDS})
+
+
+_HYBRID_FIELDS = ("d_intermediate", "attn_layer_idx", "attn_cfg", "rms_norm")
+
+
+def _is_plain(kwargs):
+    """Whether config fields leave the hybrid fields at their defaults: no MLP, no attention, RMSNorm."""
+    return (kwargs.get("d_intermediate", 0) == 0 and not kwargs.get("attn_layer_idx")
+            and not kwargs.get("attn_cfg") and kwargs.get("rms_norm", True) is True)
+
+
+def official_lm_fields(d, ours):
+    """The fields of an official config.json that a config class has (ours: its field names), with
+    null attn_layer_idx and attn_cfg read as the official defaults (create_block does); fused_add_norm
+    and initializer_cfg, which choose kernels and an init, are left out."""
+    kwargs = {k: v for k, v in d.items() if k in ours}
+    for name in ("attn_layer_idx", "attn_cfg"):
+        if name in kwargs and kwargs[name] is None:
+            del kwargs[name]
+    return kwargs
+
+
+def _ssm_cfg(d):
+    ssm_cfg = {} if d.get("ssm_cfg") is None else d["ssm_cfg"]  # null: the official default
+    if not isinstance(ssm_cfg, dict):
+        raise ValueError(f"config.json's ssm_cfg must be an object of fields, got a {type(ssm_cfg).__name__}")
+    return ssm_cfg
+
+
+def _safetensors_installed():
+    return importlib.util.find_spec("safetensors") is not None
+
+
+def _weights_files(folder):
+    """The folder's weights files, in the order they are tried: safetensors first, whole or sharded
+    (as transformers does), unless the safetensors package is missing: then the .bin, whole or
+    sharded, is read where the folder has one."""
+    safetensors = ["model.safetensors", "model.safetensors.index.json"]
+    pickles = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+    order = safetensors + pickles if _safetensors_installed() else pickles + safetensors
+    return [os.path.join(folder, name) for name in order]
+
+
+def _load_state_dict_file(folder):
+    """The folder's weights as one dict: model.safetensors, pytorch_model.bin, or the shards that a
+    model.safetensors.index.json or pytorch_model.bin.index.json lists (transformers'
+    save_pretrained splits models above its max_shard_size)."""
+    for path in _weights_files(folder):
+        if os.path.islink(path) and not os.path.exists(path):
+            raise FileNotFoundError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist "
+                                    f"(an interrupted download? download it again)")
+        if not os.path.exists(path):
+            continue
+        if not path.endswith(".index.json"):
+            return _read_weights(path)
+        with open(path) as f:
+            try:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise ValueError(f"{path} must be JSON with a weight_map of tensor names to shard "
+                                 f"files ({type(err).__name__}: {err})") from None
+        state_dict = {}
+        for shard in shards:
+            # a name such as ../../x would open a file outside the checkpoint
+            if not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
+                raise ValueError(f"{path} lists the shard {shard!r}: shards must be file names inside {folder}")
+            state_dict.update(_read_weights(os.path.join(folder, shard)))
+        return state_dict
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (nor a sharded index.json) in {folder}")
+
+
+def _read_weights(path):
+    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor. A .bin is
+    memory-mapped: its tensors are the file's pages, read from disk as they are used, so that
+    loading holds no second copy of the weights. safetensors 0.8 maps its files so too; their
+    tensors start where the file puts them, aligned to their element size, not to torch's 64, and CPU
+    kernels may round a last bit otherwise over such memory (the same values; a matmul in fp64
+    differed by 1e-16). A copy to aligned memory would hold the weights twice while loading."""
+    safetensors = path.endswith(".safetensors")
+    if safetensors:
+        try:
+            from safetensors.torch import load_file
+        except ImportError as err:
+            raise ImportError(f"{path} needs the safetensors package: pip install safetensors") from err
+    try:
+        if safetensors:
+            state_dict = load_file(path)
+        else:
+            try:
+                state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:  # the legacy (not zip) format cannot be memory-mapped
+                if "mmap" not in str(err):
+                    raise
+                state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated download, or not a plain tensor checkpoint
+        raise ValueError(f"{path} could not be read as a PyTorch state dict (truncated or not a "
+                         f"checkpoint?): {type(err).__name__}: {err}") from err
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{path} must hold a dict of tensor name -> tensor (a state dict), got a "
+                         f"{type(state_dict).__name__}")
+    wrong = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+    if wrong:
+        raise ValueError(f"{path} must hold only tensors; not tensors: {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
+    return state_dict
+
+
+def _looks_like_a_path(s):
+    # a hub id is "owner/name": one slash, no leading "/", ".", or "~"
+    return (os.path.isabs(s) or s.startswith(("./", "../", "~", ".\\", "..\\"))
+            or s.count("/") > 1 or (os.sep != "/" and os.sep in s))
+
+
+def _resolve_folder(path_or_id):
+    if not isinstance(path_or_id, (str, os.PathLike)):
+        raise ValueError(f"load needs a folder or a hub id such as state-spaces/mamba-130m, "
+                         f"got {type(path_or_id).__name__}")
+    path_or_id = os.fspath(path_or_id)
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    if os.path.exists(path_or_id):
+        raise ValueError(f"{path_or_id} is a file; pass the folder holding config.json and the weights")
+    if _looks_like_a_path(path_or_id):
+        raise FileNotFoundError(f"the folder {path_or_id} does not exist (pass a folder holding config.json "
+                                f"and the weights, or a hub id such as state-spaces/mamba-130m)")
+    try:
+        from huggingface_hub import list_repo_files, snapshot_download
+    except ImportError:
+        raise FileNotFoundError(
+            f"{path_or_id!r} is not a folder, and huggingface_hub is not installed to download it. "
+            f"Either `pip install huggingface_hub`, or download config.json and model.safetensors "
+            f"(or pytorch_model.bin) from https://huggingface.co/{path_or_id} into a folder and pass "
+            f"that folder.") from None
+    try:
+        files = list_repo_files(path_or_id)
+    except Exception:  # offline or unreachable: snapshot_download answers from the cache, or says why not
+        files = None
+    return snapshot_download(path_or_id, allow_patterns=_download_patterns(files))
+
+
+def _download_patterns(files):
+    """What to download of a repository with these files: config.json and one format of weights
+    with its index (sharded repositories list their shards in model.safetensors.index.json or
+    pytorch_model.bin.index.json), .safetensors where the repository has it and the package is
+    installed. files None (the list is unknown, offline): both formats, as the cache holds them."""
+    safetensors = ["*.safetensors", "model.safetensors.index.json"]
+    pickles = ["*.bin", "pytorch_model.bin.index.json"]
+    if files is None:
+        return ["config.json"] + safetensors + pickles
+    has_safetensors = any(f.endswith(".safetensors") for f in files)
+    has_bin = any(f.endswith(".bin") for f in files)
+    use_safetensors = has_safetensors and (_safetensors_installed() or not has_bin)
+    return ["config.json"] + (safetensors if use_safetensors else pickles)
+
+
+def convert_state_dict(state_dict, model):
+    """Map either layout onto our key names, re-tie the head, and check the keys strictly."""
+    sd = {}
+    for k, v in state_dict.items():
+        if k.startswith("backbone.embeddings."):
+            k = "backbone.embedding." + k[len("backbone.embeddings."):]
+        sd[k] = v
+    if model.cfg.tie_embeddings and "backbone.embedding.weight" in sd:
+        head = sd.setdefault("lm_head.weight", sd["backbone.embedding.weight"])
+        if head is not sd["backbone.embedding.weight"] and not torch.equal(head, sd["backbone.embedding.weight"]):
+            raise ValueError("the config ties the embeddings, but the checkpoint's lm_head.weight differs "
+                             "from backbone.embedding.weight; set tie_embeddings (tie_word_embeddings) to "
+                             "false to load an untied head")
+        sd["lm_head.weight"] = sd["backbone.embedding.weight"]  # one tensor, as in the model
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint keys do not match the model: missing {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}")
+    for k, v in model.state_dict().items():
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise ValueError(f"checkpoint tensor {k} has shape {tuple(sd[k].shape)}, the config "
+                             f"expects {tuple(v.shape)} (vocab padded to {model.cfg.padded_vocab_size})")
+    return sd
+
+
+def read_config_json(folder):
+    """The folder's config.json as a dict."""
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    with open(cfg_path) as f:
+        try:
+            d = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{cfg_path} is not valid JSON: {err}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object of config fields, got a {type(d).__name__}")
+    return d
+
+
+# The model is built with its parameters on the meta device (shapes, no memory, inits that do
+# nothing) and then handed the checkpoint's tensors themselves (load_state_dict with assign=True),
+# each converted to its final dtype and device on the way. So loading a bf16 checkpoint in bf16
+# holds one copy of the weights, never an fp32 model beside it; nothing is initialized only to be
+# overwritten. Buffers (values computed at construction that no checkpoint holds) are built as usual.
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Inside, every parameter a module registers is moved to the meta device, and buffers stay
+    real (accelerate's init_empty_weights(include_buffers=False) does the same)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_log", "mixer.D")):
+    """cls(cfg) with the folder's weights (strict keys, either layout), in `dtype` on `device`.
+    dtype None: the dtypes the model is built with (fp32). Under fp16/bf16 the parameters named
+    in keep_fp32 stay fp32, as the official modules create them whatever the dtype: rounding
+    A_log to bf16 would move every decay rate. Shared with mamba2_minimal.py and mamba3_minimal.py."""
+    with _parameters_on_meta():
+        model = cls(cfg)
+    state_dict = convert_state_dict(_load_state_dict_file(folder), model)
+    built = model.state_dict()
+    converted = {}  # id -> tensor: the tied head and embedding stay one tensor
+    for name, t in state_dict.items():
+        want = built[name].dtype if dtype is None else dtype
+        if name.endswith(keep_fp32) and dtype in (torch.float16, torch.bfloat16):
+            want = torch.float32
+        if id(t) not in converted:
+            converted[id(t)] = t.to(device=device, dtype=want)  # no copy when nothing changes
+        state_dict[name] = converted[id(t)]
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if cfg.tie_embeddings:  # assign gave the head a Parameter of its own, over the same tensor
+        model.lm_head.weight = model.backbone.embedding.weight
+    return model.to(device=device).eval()  # the buffers
+
+
+# Saving: config.json in the official layout (MambaLMHeadModel's config: the model's fields at the
+# top, the mixer's in ssm_cfg with its "layer"), and the weights under the official names, as
+# model.safetensors (the tied head stored once, as transformers does) or, without the safetensors
+# package, pytorch_model.bin (both keys, one storage, as the official save_pretrained writes).
+# Each file is written beside its final name and then renamed over it, so that an interrupted save
+# leaves the old file or the new one, never half of one; config.json is written first and takes its
+# name last, and weights in the other format are set aside (renamed) once the new ones are whole, put
+# back if the new file cannot take its name, and removed at the end.
+
+# fields of the official MambaConfig (config_mamba.py); the rest of ours are the mixer's or runtime options
+_OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
+                        "rms_norm", "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings")
+# how to run, not what the model is (Mamba-2's and Mamba-3's chunk_size are mixer fields: saved)
+_RUNTIME_FIELDS = {"scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer"}
+
+
+def config_to_dict(cfg, layer="Mamba1", ssm_fields=_OFFICIAL_SSM_FIELDS, own_ssm_fields=()):
+    """A config as the official config.json writes it: the official top-level fields, the mixer's
+    fields (ssm_fields) in ssm_cfg with `layer`, and, only where they differ from their defaults
+    (the official code would refuse them), our own mixer fields (own_ssm_fields) in ssm_cfg and any
+    other field of ours at the top, where config_from_dict reads them back. Runtime options are
+    not saved."""
+    d = {"d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
+         "ssm_cfg": {"layer": layer}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
+         "residual_in_fp32": cfg.residual_in_fp32, "fused_add_norm": True,
+         "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple, "tie_embeddings": cfg.tie_embeddings}
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        value = _as_json(value)
+        if f.name in _OFFICIAL_TOP_FIELDS:
+            d[f.name] = value
+        elif f.name in ssm_fields:
+            if value == _as_json(f.default) and not math.isfinite(sum(value) if isinstance(value, list) else 0):
+                continue  # JSON has no inf (Mamba-2's dt_limit): the default, left out, loads as itself
+            d["ssm_cfg"][f.name] = value
+        elif f.name not in _RUNTIME_FIELDS and value != f.default:
+            (d["ssm_cfg"] if f.name in own_ssm_fields else d)[f.name] = value
+    return d
+
+
+def _as_json(value):
+    return list(value) if isinstance(value, tuple) else value  # JSON has lists
+
+
+def save_pretrained(model, folder, config_dict, safe_serialization=None):
+    """Write config_dict as config.json and the model's weights into folder (created if needed);
+    safe_serialization: model.safetensors (True), pytorch_model.bin (False), or None: safetensors
+    where the package is installed. Each file is written beside its name first, config.json before
+    the weights, so that a save that fails while writing (a full disk, an interrupt) or at the
+    weights' rename (refused on Windows while a scanner holds the file) leaves the checkpoint that
+    was there. Weights in the other format are set aside once the new file is whole, put back if it
+    cannot take its name, and removed at the end (the loader would otherwise find a stale
+    model.safetensors before a new pytorch_model.bin); one that will not go stays, with a warning."""
+    if safe_serialization is None:
+        safe_serialization = _safetensors_installed()
+    if safe_serialization:  # before anything in the folder changes
+        try:
+            from safetensors.torch import save_file
+        except ImportError as err:
+            raise ImportError("safe_serialization=True needs the safetensors package: pip install safetensors "
+                              "(or save_pretrained(folder, safe_serialization=False) for pytorch_model.bin)") from err
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, "model.safetensors" if safe_serialization else "pytorch_model.bin")
+    stale = [path for path in _weights_files(folder) if path != target and os.path.lexists(path)]
+    aside = f".old{os.getpid()}"
+
+    def set_stale_aside():  # renamed, not removed: if the new file cannot take its name, they go back
+        for path in stale:
+            os.replace(path, path + aside)
+
+    def put_stale_back():
+        for path in stale:
+            if os.path.lexists(path + aside):
+                try:
+                    os.replace(path + aside, path)
+                except OSError as err:
+                    warnings.warn(f"save_pretrained could not put {path} back ({err}): the old weights are in "
+                                  f"{path + aside}")
+
+    state_dict = model.state_dict()
+    if safe_serialization and model.cfg.tie_embeddings:
+        del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
+
+    def write(tmp):
+        if safe_serialization:
+            save_file({k: v.contiguous() for k, v in state_dict.items()}, tmp, metadata={"format": "pt"})
+        else:
+            torch.save(state_dict, tmp)
+
+    config_tmp = os.path.join(folder, f"config.json.tmp{os.getpid()}")
+    try:
+        _write_json(config_tmp, config_dict)  # first: a full disk stops the save before anything changes
+        try:
+            _write_atomically(target, write, set_stale_aside)
+        except BaseException:  # a full disk, a refused rename, an interrupt: the folder as it was
+            put_stale_back()
+            raise
+        os.replace(config_tmp, os.path.join(folder, "config.json"))
+    finally:
+        if os.path.exists(config_tmp):
+            os.remove(config_tmp)
+    for path in stale:  # the new checkpoint is whole: a file that will not go is harmless, and said
+        try:
+            os.remove(path + aside)
+        except OSError as err:
+            warnings.warn(f"save_pretrained could not remove {path + aside} ({err}); the new checkpoint is "
+                          f"complete and the loader never reads that file: delete it by hand")
+    return folder
+
+
+def _write_json(path, d):
+    with open(path, "w") as f:
+        json.dump(d, f, indent=2)
+        f.write("\n")
+
+
+def _write_atomically(path, write, before_rename=None):
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# Mamba-2's config.json
+# ------------------------------------------------------------------------------------------------
+# Official (state-spaces/mamba2-130m ...): config.json with d_model, d_intermediate, n_layer,
+# vocab_size, ssm_cfg = {"layer": "Mamba2", d_state, headdim, ngroups, chunk_size ...},
+# attn_layer_idx and attn_cfg (the hybrid mamba2attn-2.7b: hybrid.py),
+# pad_vocab_size_multiple (16 for those models), tie_embeddings; pytorch_model.bin under our names.
+# transformers (Mamba2ForCausalLM): config.json with hidden_size, num_hidden_layers, num_heads,
+# head_dim, state_size, n_groups, ...; the same names except backbone.embeddings.*; often
+# model.safetensors without the tied lm_head.weight; the vocab as saved (never padded), and
+# tie_word_embeddings false unless it says otherwise.
+
+_MAMBA2_HF_FIELDS = {  # transformers Mamba2Config name -> Mamba2Config name
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim",
+    "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_min": "dt_min",
+    "time_step_max": "dt_max", "time_step_floor": "dt_init_floor", "time_step_limit": "dt_limit",
+    "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
+    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
+}
+_MAMBA2_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
+                        "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
+# official Mamba2 options that only change how it runs or how it is initialized
+_MAMBA2_IGNORED = {"use_mem_eff_path", "conv_init", "layer_idx", "process_group", "sequence_parallel"}
+# official Mamba2 options we support only at their default value
+_MAMBA2_FIXED = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
+
+
+def _number(v):
+    """transformers 5 writes inf to config.json as {"__float__": "Infinity"}; json writes Infinity."""
+    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
+
+
+def mamba2_config_from_dict(d, **overrides):
+    """A Mamba2Config from an official or a transformers config.json dict."""
+    if "hidden_size" in d or "num_hidden_layers" in d:
+        if d.get("model_type") == "mamba2" and "head_dim" not in d:
+            raise ValueError(f"config.json is missing the field head_dim (found {sorted(d)})")
+        if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
+            raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
+                             f"Mamba-2 (pretrained.load reads any generation)")
+        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
+        kwargs = {_MAMBA2_HF_FIELDS[k]: v for k, v in d.items() if k in _MAMBA2_HF_FIELDS}
+        kwargs.setdefault("tie_embeddings", False)  # transformers' default
+        kwargs["pad_vocab_size_multiple"] = 1  # transformers never pads the vocab
+        if d.get("rms_norm") is False:
+            raise ValueError("rms_norm: false (no gated norm in the mixer) is not supported")
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
+        heads = d.get("num_heads")
+        width = d.get("expand", 2) * d.get("hidden_size", 0)
+        if heads is not None and heads * d["head_dim"] != width:
+            raise ValueError(f"num_heads * head_dim = {heads} * {d['head_dim']} must equal expand * "
+                             f"hidden_size = {width}")
+    else:
+        required = ["d_model", "n_layer", "vocab_size"]
+        ssm_cfg = dict(_ssm_cfg(d))
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba2":
+            raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
+                             f"only (pretrained.load reads any generation)")
+        for name, value in _MAMBA2_FIXED.items():
+            if ssm_cfg.pop(name, value) != value:
+                raise ValueError(f"ssm_cfg.{name} = {not value} is not supported (only {value})")
+        unknown = set(ssm_cfg) - _MAMBA2_SSM_FIELDS - _MAMBA2_IGNORED
+        if unknown:
+            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+        kwargs = official_lm_fields(d, {f.name for f in fields(Mamba2Config)})  # with the hybrid fields
+        kwargs.update({k: v for k, v in ssm_cfg.items() if k in _MAMBA2_SSM_FIELDS})
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
+    for name in ("dt_limit", "A_init_range"):
+        if isinstance(kwargs.get(name), (list, tuple)):  # anything else is Mamba2Config's to refuse by name
+            kwargs[name] = tuple(_number(v) for v in kwargs[name])
+    kwargs.update(overrides)
+    return Mamba2Config(**kwargs)
+
+# ------------------------------------------------------------------------------------------------
+# Mamba-3's config.json
+# ------------------------------------------------------------------------------------------------
+# The official layout (official MambaLMHeadModel.save_pretrained, mixer_seq_simple.py): config.json
+# holds MambaConfig's fields, d_model, d_intermediate, n_layer, vocab_size, ssm_cfg = {"layer":
+# "Mamba3", and any Mamba3 argument: d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
+# attn_layer_idx, attn_cfg (the hybrid fields: hybrid.py), rms_norm,
+# residual_in_fp32, fused_add_norm, pad_vocab_size_multiple, tie_embeddings; the weights in
+# pytorch_model.bin (or model.safetensors) under our names. The published Mamba-3 checkpoints
+# (state-spaces/mamba3-*) come in this layout, with a GatedMLP after every mixer; which A they
+# need is A_variant_losses' question (below). The tests write their own checkpoints.
+
+_MAMBA3_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
+                        "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
+# official Mamba3 arguments (official main, e9594ce) that change only how it runs:
+# fuse_pregate_headwise_norm moves MIMO's output norm and gate into the kernel (the same
+# arithmetic), dropout is unused, layer_idx and n_layer place the layer, device and dtype say
+# where and in what its parameters are made
+_MAMBA3_IGNORED = {"fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer", "device", "dtype"}
+# not an official argument: this file's choice of A (Mamba3Config.A_activation)
+_MAMBA3_OWN_FIELDS = {"A_activation"}
+
+
+def mamba3_config_from_dict(d, **overrides):
+    """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3").
+    ssm_cfg fields that the official Mamba3 does not take are dropped with a warning, as its **kwargs
+    drops them (at e9594ce)."""
+    ssm_cfg = d.get("ssm_cfg")
+    if not isinstance(ssm_cfg, dict):
+        raise ValueError(f"config.json must hold ssm_cfg = {{\"layer\": \"Mamba3\", ...}}, got "
+                         f"{type(ssm_cfg).__name__ if ssm_cfg is not None else 'none'}")
+    ssm_cfg = dict(ssm_cfg)
+    layer = ssm_cfg.pop("layer", "Mamba1")
+    if layer != "Mamba3":
+        raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
+                         f"(pretrained.load reads any generation)")
+    unknown = set(ssm_cfg) - _MAMBA3_SSM_FIELDS - _MAMBA3_IGNORED - _MAMBA3_OWN_FIELDS
+    if unknown:  # the official Mamba3 takes **kwargs and drops them: the same model, said out loud
+        warnings.warn(f"config.json's ssm_cfg fields {sorted(unknown)} are not Mamba3 arguments; ignored, as the "
+                      f"official Mamba3 module ignores them")
+    missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in d]
+    if missing:
+        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
+    kwargs = official_lm_fields(d, {f.name for f in fields(Mamba3Config)})  # with the hybrid fields
+    kwargs.update({k: v for k, v in ssm_cfg.items() if k in _MAMBA3_SSM_FIELDS | _MAMBA3_OWN_FIELDS})
+    kwargs.update(overrides)
+    return Mamba3Config(**kwargs)
+
+
+# Which A a checkpoint needs. Official main computes A with the heavy-tail activation, the March
+# 2026 release with softplus, and config.json does not say which one trained the weights. Running
+# the checkpoint both ways on real text answers it: the wrong A changes every decay rate, and with
+# them every logit, and its loss is the clearly higher one.
+
+@torch.no_grad()
+def A_variant_losses(path_or_model, input_ids, **load_kwargs):
+    """The mean next-token loss (nats per token) of a checkpoint with each A_activation.
+
+    Args:
+        path_or_model: a folder or hub id, as load takes it (load_kwargs are
+                       passed on: device, dtype, overrides), or a loaded Mamba3LM
+        input_ids:     (b, L) token ids of some text, L ≥ 2, from the checkpoint's own tokenizer
+                       (this function reads ids only; tokenizing is the caller's)
+    Returns:
+        {"heavy_tail": loss, "softplus": loss}: the cross-entropy of each token given the ones
+        before it, over the vocabulary (the logits of padding entries left out, as a loss over the
+        text's tokens reads them), averaged over the b·(L − 1) predictions. A model passed in is
+        left with the A_activation it had.
+    """
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
+            or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2):
+        raise ValueError(f"input_ids must be an integer tensor of shape (b, L) with b >= 1 and L >= 2, got "
+                         f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
+                         f" of shape {(tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None)}")
+    if isinstance(path_or_model, Mamba3LM):
+        if load_kwargs:
+            raise ValueError(f"load_kwargs apply to a path only, got {sorted(load_kwargs)} with a loaded model")
+        model = path_or_model
+    else:
+        model = load(path_or_model, cls=Mamba3LM, **load_kwargs)
+    cfg = model.cfg
+    if not 0 <= input_ids.min() <= input_ids.max() < cfg.vocab_size:
+        raise ValueError(f"input_ids must lie in [0, vocab_size = {cfg.vocab_size}), got "
+                         f"[{input_ids.min().item()}, {input_ids.max().item()}]")
+    ids = input_ids.to(model.lm_head.weight.device)
+    kept = cfg.A_activation
+    losses = {}
+    try:
+        for variant in A_ACTIVATIONS:
+            cfg.A_activation = variant  # every mixer reads the model's one config
+            total = 0.0
+            for row in ids:  # one row at a time: a (L, vocab) logits tensor is the largest one held
+                logits = mm._at_least_fp32(model(row[None])[0, :-1, :cfg.vocab_size])  # (L - 1, vocab)
+                total += F.cross_entropy(logits, row[1:], reduction="sum").item()
+            losses[variant] = total / (ids.shape[0] * (ids.shape[1] - 1))
+    finally:
+        cfg.A_activation = kept
+    return losses
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and saving, any generation
+# ------------------------------------------------------------------------------------------------
+
+CONFIGS = {1: config_from_dict, 2: mamba2_config_from_dict, 3: mamba3_config_from_dict}
+GENERATION_OF_CLASS = {MambaLM: 1, HybridMambaLM: 1, Mamba2LM: 2, Mamba3LM: 3}
+
+
+def _check_load_arguments(cfg_cls, dtype, overrides):
+    """load's dtype and config overrides, before any weights are read."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
+                         f"got {dtype!r}")
+    unknown = sorted(set(overrides) - {f.name for f in fields(cfg_cls)})
+    if unknown:
+        raise ValueError(f"unknown {cfg_cls.__name__} fields {unknown}; the fields are "
+                         f"{[f.name for f in fields(cfg_cls)]}")
+
+
+def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
+    """A checkpoint folder or hub id, of any generation and layout, as a model in eval mode.
+
+    Args:
+        path_or_id: a folder with config.json and the weights, or a hub id (state-spaces/mamba-130m)
+        device, dtype: where and in what the weights go (None: cpu, the dtypes the model is built
+                       with); under fp16/bf16 A_log, D and the like stay fp32, as in the official code
+        cls: None (config.json's generation decides), or MambaLM, Mamba2LM, Mamba3LM to insist on one
+        overrides: config fields to change (e.g. Mamba3Config's A_activation)
+    """
+    folder = _resolve_folder(path_or_id)
+    d = read_config_json(folder)
+    generation = generation_of(d)
+    if cls is not None and GENERATION_OF_CLASS.get(cls) != generation:
+        raise ValueError(f"config.json describes a Mamba-{generation} model; {getattr(cls, '__name__', cls)} "
+                         f"loads Mamba-{GENERATION_OF_CLASS.get(cls, '?')} (cls=None loads any generation)")
+    _check_load_arguments({1: HybridMambaConfig, 2: Mamba2Config, 3: Mamba3Config}[generation], dtype, overrides)
+    cfg = CONFIGS[generation](d, **overrides)
+    model_cls = {1: HybridMambaLM if isinstance(cfg, HybridMambaConfig) else MambaLM, 2: Mamba2LM,
+                 3: Mamba3LM}[generation]
+    keep_fp32 = m3._FP32_PARAMETERS if generation == 3 else ("mixer.A_log", "mixer.D")
+    return load_weights(model_cls, cfg, folder, device, dtype, keep_fp32)
+
+
+def save(model, folder, safe_serialization=None):
+    """config.json and the weights of a MambaLM, Mamba2LM or Mamba3LM, in the official layout."""
+    if isinstance(model, Mamba3LM):
+        d = config_to_dict(model.cfg, "Mamba3", _MAMBA3_SSM_FIELDS, _MAMBA3_OWN_FIELDS)
+    elif isinstance(model, Mamba2LM):
+        d = config_to_dict(model.cfg, "Mamba2", _MAMBA2_SSM_FIELDS)
+    elif isinstance(model, MambaLM):
+        d = config_to_dict(model.cfg)
+    else:
+        raise ValueError(f"save writes a MambaLM, Mamba2LM or Mamba3LM, got a {type(model).__name__}")
+    return save_pretrained(model, folder, d, safe_serialization)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. The command: generate and score
+# ------------------------------------------------------------------------------------------------
 
 def load_model(name, dtype, device):
     """The folder or hub id `name` -> (model, generation, folder)."""
-    folder = mm._resolve_folder(name)
-    generation = generation_of(mm.read_config_json(folder))
-    model = model_class(generation).from_pretrained(folder, device=device, dtype=dtype)
-    return model, generation, folder
+    folder = _resolve_folder(name)
+    model = load(folder, device=device, dtype=dtype)
+    return model, generation_of(read_config_json(folder)), folder
 
 
 def load_tokenizer(name):
@@ -109,8 +784,10 @@ def generate(args, model, tokenizer, device):
     prefix = tokenizer.decode(prompt, skip_special_tokens=True)
     new, shown, t0, t_first = [], "", time.perf_counter(), None
     print(args.prompt, end="", flush=True)
+    if args.compile:
+        eng.compile_decode(model)
     for token in model.generate_stream(ids, args.max_new_tokens, temperature=args.temperature,
-                                       top_k=args.top_k, top_p=args.top_p, compile=args.compile):
+                                       top_k=args.top_k, top_p=args.top_p):
         t_first = t_first or time.perf_counter()
         if token.item() == eos:
             break
@@ -158,8 +835,7 @@ def score(args, model, tokenizer, device, generation):
     loss = mean_loss(model, ids, args.window)
     print(f"{ids.shape[1]} tokens, mean loss {loss:.4f} nats/token (perplexity {math.exp(loss):.2f})")
     if generation == 3:  # which A the checkpoint was trained with: the wrong one scores clearly worse
-        import mamba3_minimal
-        losses = mamba3_minimal.A_variant_losses(model, ids)
+        losses = A_variant_losses(model, ids)
         print("mean loss with each A_activation (the config's: " + model.cfg.A_activation + "): "
               + ", ".join(f"{variant} {value:.4f}" for variant, value in losses.items()))
 

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from gpt_minimal import GPTConfig, TinyGPT
 from mamba2_minimal import Mamba2Config, Mamba2LM
 from mamba3_minimal import Mamba3Config, Mamba3LM
-from mamba_minimal import MambaConfig, MambaLM
+import mamba_engine
+from mamba_minimal import MambaConfig, MambaLM, MambaMixer
+from tasks.selection_off import SelectionOffMixer
 
 IGNORE = -100  # the target of a position that asks for nothing (cross_entropy's ignore_index)
 
@@ -54,7 +56,8 @@ def build(arch, vocab_size, d_model=32, n_layer=2, d_state=16, max_len=64):
     longest training sequence; the GPT's learned positions stop there, the SSMs have none."""
     common = dict(d_model=d_model, n_layer=n_layer, vocab_size=vocab_size)
     if arch in ("mamba", "mamba-lti"):
-        return MambaLM(MambaConfig(**common, d_state=d_state, selection_off=arch == "mamba-lti"))
+        mixer_cls = SelectionOffMixer if arch == "mamba-lti" else MambaMixer
+        return mamba_engine.accelerate(MambaLM(MambaConfig(**common, d_state=d_state), mixer_cls))
     if arch == "mamba2":
         return Mamba2LM(Mamba2Config(**common, d_state=d_state, headdim=16, chunk_size=16))
     if arch in ("mamba3", "mamba3-real"):
