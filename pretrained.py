@@ -688,10 +688,10 @@ def _check_load_arguments(cfg_cls, dtype, overrides):
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
                          f"got {dtype!r}")
-    unknown = sorted(set(overrides) - {f.name for f in fields(cfg_cls)})
+    known = [f.name for f in fields(cfg_cls)] + [n for n in _HYBRID_FIELDS if n not in {f.name for f in fields(cfg_cls)}]
+    unknown = sorted(set(overrides) - set(known))
     if unknown:
-        raise ValueError(f"unknown {cfg_cls.__name__} fields {unknown}; the fields are "
-                         f"{[f.name for f in fields(cfg_cls)]}")
+        raise ValueError(f"unknown {cfg_cls.__name__} fields {unknown}; the fields are {known}")
 
 
 def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
@@ -710,7 +710,7 @@ def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
     if cls is not None and GENERATION_OF_CLASS.get(cls) != generation:
         raise ValueError(f"config.json describes a Mamba-{generation} model; {getattr(cls, '__name__', cls)} "
                          f"loads Mamba-{GENERATION_OF_CLASS.get(cls, '?')} (cls=None loads any generation)")
-    _check_load_arguments({1: HybridMambaConfig, 2: Mamba2Config, 3: Mamba3Config}[generation], dtype, overrides)
+    _check_load_arguments({1: MambaConfig, 2: Mamba2Config, 3: Mamba3Config}[generation], dtype, overrides)
     cfg = CONFIGS[generation](d, **overrides)
     model_cls = {1: HybridMambaLM if isinstance(cfg, HybridMambaConfig) else MambaLM, 2: Mamba2LM,
                  3: Mamba3LM}[generation]

@@ -1,5 +1,5 @@
 """Checkpoints as users meet them: hub repositories (sharded, both formats), loading in half
-precision without an fp32 copy, save_pretrained round trips in every dtype, the loader's messages,
+precision without an fp32 copy, pretrained.save round trips in every dtype, the loader's messages,
 and pretrained.py (generate and score with a tokenizer), for the three generations."""
 
 import copy
@@ -17,7 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mamba2_minimal as m2
+import hybrid
 import mamba3_minimal as m3
+import mamba_engine
 import mamba_minimal as mm
 import pretrained
 
@@ -27,7 +29,9 @@ VOCAB = 29  # padded to 32 (pad_vocab_size_multiple 8): ids 29..31 are never pro
 def tiny(generation, seed=0, **kw):
     """A tiny model of each generation, its SSM parameters moved off their init values."""
     torch.manual_seed(seed)
-    if generation == 1:
+    if generation == 1 and set(kw) & {"d_intermediate", "attn_layer_idx", "attn_cfg", "rms_norm"}:
+        model = hybrid.HybridMambaLM(hybrid.HybridMambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4, **kw))
+    elif generation == 1:
         model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4, **kw))
     elif generation == 2:
         model = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=2, vocab_size=VOCAB, d_state=8, headdim=16,
@@ -112,11 +116,11 @@ def test_a_sharded_hub_repository_loads_with_its_index(tmp_path, monkeypatch, ge
     # fuzz-2 N1: the shards came without their index.json, and the loader could not find them
     model = tiny(generation)
     repo = tmp_path / "repo"
-    model.save_pretrained(repo, safe_serialization=False)
+    pretrained.save(model, repo, safe_serialization=False)
     os.remove(repo / "pytorch_model.bin")
     shard(repo, model, fmt)
     downloaded = fake_hub(monkeypatch, repo, tmp_path)
-    loaded = CLASSES[generation].from_pretrained("owner/sharded")
+    loaded = pretrained.load("owner/sharded", cls=CLASSES[generation])
     assert sorted(downloaded) == sorted(os.listdir(repo))
     assert torch.equal(loaded(ids()), model(ids()))
 
@@ -124,21 +128,21 @@ def test_a_sharded_hub_repository_loads_with_its_index(tmp_path, monkeypatch, ge
 def test_a_hub_repository_with_both_formats_downloads_one(tmp_path, monkeypatch):
     model = tiny(1)
     repo = tmp_path / "repo"
-    model.save_pretrained(repo, safe_serialization=False)
+    pretrained.save(model, repo, safe_serialization=False)
     pytest.importorskip("safetensors")
     shutil.copy(repo / "pytorch_model.bin", tmp_path / "saved.bin")
-    model.save_pretrained(repo, safe_serialization=True)  # removes the .bin
+    pretrained.save(model, repo, safe_serialization=True)  # removes the .bin
     shutil.copy(tmp_path / "saved.bin", repo / "pytorch_model.bin")
     downloaded = fake_hub(monkeypatch, repo, tmp_path)
-    assert torch.equal(mm.MambaLM.from_pretrained("owner/both")(ids()), model(ids()))
+    assert torch.equal(pretrained.load("owner/both", cls=mm.MambaLM)(ids()), model(ids()))
     assert sorted(downloaded) == ["config.json", "model.safetensors"]  # safetensors first, as transformers
     # without the safetensors package: the .bin, never a file it cannot read
-    monkeypatch.setattr(mm, "_safetensors_installed", lambda: False)
+    monkeypatch.setattr(pretrained, "_safetensors_installed", lambda: False)
     downloaded.clear()
-    assert torch.equal(mm.MambaLM.from_pretrained("owner/both")(ids()), model(ids()))
+    assert torch.equal(pretrained.load("owner/both", cls=mm.MambaLM)(ids()), model(ids()))
     assert sorted(downloaded) == ["config.json", "pytorch_model.bin"]
     # the file list unknown (offline): both formats may come from the cache; the loader picks one
-    assert set(mm._download_patterns(None)) >= {"config.json", "*.safetensors", "*.bin",
+    assert set(pretrained._download_patterns(None)) >= {"config.json", "*.safetensors", "*.bin",
                                                 "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
 
@@ -151,15 +155,15 @@ def test_a_bf16_checkpoint_loads_in_bf16_into_the_files_own_tensors(tmp_path, mo
     # the parameters are the tensors read from the file: no other copy of the weights was made,
     # in particular no fp32 model that the weights were copied into
     model = in_dtype(tiny(generation), generation, torch.bfloat16)
-    model.save_pretrained(tmp_path, safe_serialization=False)
+    pretrained.save(model, tmp_path, safe_serialization=False)
     read = {}
-    real_read = mm._read_weights
-    monkeypatch.setattr(mm, "_read_weights", lambda path: read.setdefault(path, real_read(path)))
+    real_read = pretrained._read_weights
+    monkeypatch.setattr(pretrained, "_read_weights", lambda path: read.setdefault(path, real_read(path)))
     built = []
-    real_init = mm.MambaLM._init_weights
-    monkeypatch.setattr(mm.MambaLM, "_init_weights",
-                        lambda self: built.append({p.device.type for p in self.parameters()}) or real_init(self))
-    loaded = CLASSES[generation].from_pretrained(tmp_path, dtype=torch.bfloat16)
+    real_init = mm.Mamba._init_weights  # the backbone's official init, every generation's
+    monkeypatch.setattr(mm.Mamba, "_init_weights", lambda self, n_layer: built.append(
+        {p.device.type for p in self.parameters()}) or real_init(self, n_layer))
+    loaded = pretrained.load(tmp_path, cls=CLASSES[generation], dtype=torch.bfloat16)
     assert built == [{"meta"}]  # built without memory for its parameters
     (file_sd,) = read.values()
     for name, p in loaded.named_parameters():
@@ -187,9 +191,10 @@ class BufferLM(mm.MambaLM):
 
 def test_buffers_computed_at_construction_survive_loading(tmp_path):
     model = BufferLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4))
-    model.save_pretrained(tmp_path)
+    pretrained.save(model, tmp_path)
     for dtype in (None, torch.bfloat16):
-        loaded = BufferLM.from_pretrained(tmp_path, dtype=dtype)
+        cfg = pretrained.config_from_dict(pretrained.read_config_json(tmp_path))
+        loaded = pretrained.load_weights(BufferLM, cfg, tmp_path, dtype=dtype)
         for layer in loaded.backbone.layers:
             assert layer.mixer.freq.device.type == "cpu"
             torch.testing.assert_close(layer.mixer.freq, 1.0 / 10000 ** (torch.tensor([0.0, 2, 4, 6]) / 8),
@@ -201,8 +206,8 @@ def test_the_meta_device_loader_gives_a_usable_model(tmp_path, generation):
     # training after loading: gradients reach every parameter once, the tied one included, and
     # an optimizer step changes the head with the embedding
     model = tiny(generation)
-    model.save_pretrained(tmp_path)
-    loaded = CLASSES[generation].from_pretrained(tmp_path).train()
+    pretrained.save(model, tmp_path)
+    loaded = pretrained.load(tmp_path, cls=CLASSES[generation]).train()
     assert all(p.requires_grad and p.device.type == "cpu" for p in loaded.parameters())
     # one Parameter for the tied pair: two over one storage would each get an optimizer state
     assert loaded.lm_head.weight is loaded.backbone.embedding.weight
@@ -216,7 +221,7 @@ def test_the_meta_device_loader_gives_a_usable_model(tmp_path, generation):
 
 
 # ------------------------------------------------------------------------------------------------
-# save_pretrained: the official layout, every dtype, both formats, written atomically
+# pretrained.save: the official layout, every dtype, both formats, written atomically
 # ------------------------------------------------------------------------------------------------
 
 # The official MambaLMHeadModel config (mamba_ssm/models/config_mamba.py, official main e9594ce) and
@@ -238,16 +243,16 @@ OFFICIAL_MIXER = {
 @pytest.mark.parametrize("generation", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("safe", [True, False])
-def test_save_pretrained_round_trips_in_every_dtype(tmp_path, generation, dtype, safe):
+def test_save_round_trips_in_every_dtype(tmp_path, generation, dtype, safe):
     if safe:
         pytest.importorskip("safetensors")
     model = in_dtype(tiny(generation), generation, dtype)
-    model.save_pretrained(tmp_path, safe_serialization=safe)
+    pretrained.save(model, tmp_path, safe_serialization=safe)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors" if safe else "pytorch_model.bin"]
     config = json.loads((tmp_path / "config.json").read_text())
     assert set(config) <= OFFICIAL_TOP and config["ssm_cfg"]["layer"] == f"Mamba{generation}"
     assert set(config["ssm_cfg"]) - {"layer"} <= OFFICIAL_MIXER[generation]
-    loaded = CLASSES[generation].from_pretrained(tmp_path, dtype=dtype)
+    loaded = pretrained.load(tmp_path, cls=CLASSES[generation], dtype=dtype)
     assert asdict(loaded.cfg) == asdict(model.cfg)
     assert loaded.state_dict().keys() == model.state_dict().keys()
     for name, t in model.state_dict().items():
@@ -257,7 +262,7 @@ def test_save_pretrained_round_trips_in_every_dtype(tmp_path, generation, dtype,
     # maps the file, less aligned, and a kernel may round a last bit otherwise there: _read_weights)
     assert torch.equal(copy.deepcopy(loaded)(ids()), model(ids()))
     # without a dtype: fp32, as the official loader builds its model, from the saved values
-    for name, t in CLASSES[generation].from_pretrained(tmp_path).state_dict().items():
+    for name, t in pretrained.load(tmp_path, cls=CLASSES[generation]).state_dict().items():
         assert t.dtype == torch.float32 and torch.equal(t, model.state_dict()[name].float()), name
 
 
@@ -268,10 +273,10 @@ def test_a_hybrid_model_round_trips_with_its_attention_and_mlp_layers(tmp_path, 
     hybrid = dict(d_intermediate=24, attn_layer_idx=[1], attn_cfg=dict(
         num_heads=4, num_heads_kv=2, head_dim=6, rotary_emb_dim=4, d_conv=3, mlp_dim=40, causal=True))
     model = in_dtype(tiny(generation, **hybrid), generation, torch.bfloat16)
-    model.save_pretrained(tmp_path)
+    pretrained.save(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert set(config) <= OFFICIAL_TOP and config["attn_layer_idx"] == [1] and config["d_intermediate"] == 24
-    loaded = CLASSES[generation].from_pretrained(tmp_path, dtype=torch.bfloat16)
+    loaded = pretrained.load(tmp_path, cls=CLASSES[generation], dtype=torch.bfloat16)
     assert asdict(loaded.cfg) == asdict(model.cfg)
     for name, t in model.state_dict().items():
         assert loaded.state_dict()[name].dtype == t.dtype and torch.equal(loaded.state_dict()[name], t), name
@@ -280,38 +285,40 @@ def test_a_hybrid_model_round_trips_with_its_attention_and_mlp_layers(tmp_path, 
 
 def test_saved_configs_keep_what_is_not_a_default(tmp_path):
     model = tiny(2, dt_limit=(0.0, 0.5), A_init_range=(2, 4), norm_epsilon=1e-4, tie_embeddings=False)
-    model.save_pretrained(tmp_path)
+    pretrained.save(model, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["ssm_cfg"]["dt_limit"] == [0.0, 0.5] and config["norm_epsilon"] == 1e-4
     assert "scan_backend" not in config and "compile_mixer" not in config  # how to run, not what it is
-    loaded = m2.Mamba2LM.from_pretrained(tmp_path)
+    loaded = pretrained.load(tmp_path, cls=m2.Mamba2LM)
     assert asdict(loaded.cfg) == asdict(model.cfg)
     assert torch.equal(loaded(ids()), model(ids()))
     # Mamba-1's chunk_size says how the fused scan runs: not saved
-    mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, chunk_size=5)).save_pretrained(tmp_path)
+    fused = mamba_engine.accelerate(mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB)),
+                                    backend="fused", chunk_size=5)
+    pretrained.save(fused, tmp_path)
     assert "chunk_size" not in json.loads((tmp_path / "config.json").read_text())
 
 
 def test_asking_for_safetensors_without_the_package_names_it_and_keeps_the_saved_weights(tmp_path, monkeypatch):
     # and the weights already in the folder are kept: they were removed before the import failed
     old = tiny(1, seed=0)
-    old.save_pretrained(tmp_path, safe_serialization=False)
+    pretrained.save(old, tmp_path, safe_serialization=False)
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors fails, as when not installed
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
     with pytest.raises(ImportError, match="needs the safetensors package: pip install safetensors .*"
                                           "safe_serialization=False"):
-        tiny(1, seed=1).save_pretrained(tmp_path, safe_serialization=True)
+        pretrained.save(tiny(1, seed=1), tmp_path, safe_serialization=True)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
-    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), old(ids()))
+    assert torch.equal(pretrained.load(tmp_path, cls=mm.MambaLM)(ids()), old(ids()))
 
-def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monkeypatch):
+def test_save_replaces_the_other_format_and_is_atomic(tmp_path, monkeypatch):
     pytest.importorskip("safetensors")
     old, new = tiny(1, seed=0), tiny(1, seed=1)
-    old.save_pretrained(tmp_path, safe_serialization=True)
-    new.save_pretrained(tmp_path, safe_serialization=False)
+    pretrained.save(old, tmp_path, safe_serialization=True)
+    pretrained.save(new, tmp_path, safe_serialization=False)
     # a stale model.safetensors would be read before the new pytorch_model.bin
     assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
-    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
+    assert torch.equal(pretrained.load(tmp_path, cls=mm.MambaLM)(ids()), new(ids()))
 
     def torn_save(obj, path):  # half a file, then the process dies
         with open(path, "wb") as f:
@@ -320,18 +327,18 @@ def test_save_pretrained_replaces_the_other_format_and_is_atomic(tmp_path, monke
 
     monkeypatch.setattr(torch, "save", torn_save)
     with pytest.raises(KeyboardInterrupt):
-        old.save_pretrained(tmp_path, safe_serialization=False)
+        pretrained.save(old, tmp_path, safe_serialization=False)
     # no half-written file under any name, and the checkpoint that was there is still whole
     assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
-    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
+    assert torch.equal(pretrained.load(tmp_path, cls=mm.MambaLM)(ids()), new(ids()))
     monkeypatch.undo()
-    new.save_pretrained(tmp_path, safe_serialization=False)
-    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), new(ids()))
+    pretrained.save(new, tmp_path, safe_serialization=False)
+    assert torch.equal(pretrained.load(tmp_path, cls=mm.MambaLM)(ids()), new(ids()))
 
 
 def safetensors_stand_in(monkeypatch):
     """A stand-in for the safetensors package whose save_file writes a file that is not a checkpoint:
-    save_pretrained's steps around it run with or without the package."""
+    pretrained.save's steps around it run with or without the package."""
     def save_file(tensors, path, metadata=None):
         with open(path, "wb") as f:
             f.write(b"not a checkpoint")
@@ -340,7 +347,7 @@ def safetensors_stand_in(monkeypatch):
     stand_in.save_file = save_file
     monkeypatch.setitem(sys.modules, "safetensors", types.ModuleType("safetensors"))
     monkeypatch.setitem(sys.modules, "safetensors.torch", stand_in)
-    monkeypatch.setattr(mm, "_safetensors_installed", lambda: True)
+    monkeypatch.setattr(pretrained, "_safetensors_installed", lambda: True)
 
 
 def test_a_save_that_fails_at_its_last_steps_leaves_the_folder_as_it_was(tmp_path, monkeypatch):
@@ -366,15 +373,15 @@ def test_a_save_that_fails_at_its_last_steps_leaves_the_folder_as_it_was(tmp_pat
 
     for safe, moved, removed in ((False, new_file, None), (True, new_file, None), (True, old_file, old_file)):
         folder = tmp_path / f"{safe}_{moved is old_file}"
-        old.save_pretrained(folder, safe_serialization=False)
+        pretrained.save(old, folder, safe_serialization=False)
         with monkeypatch.context() as m:  # which file os.replace may not move, os.remove not remove
             m.setattr(os, "replace", lambda src, dst: refused(src) if moved(src) else replace(src, dst))
             m.setattr(os, "remove", lambda path: refused(path) if removed and removed(path) else remove(path))
             with pytest.raises(PermissionError):
-                new.save_pretrained(folder, safe_serialization=safe)
+                pretrained.save(new, folder, safe_serialization=safe)
         assert sorted(os.listdir(folder)) == ["config.json", "pytorch_model.bin"], folder.name
-        assert torch.equal(mm.MambaLM.from_pretrained(folder)(ids()), old(ids())), folder.name
-    new.save_pretrained(tmp_path / "True_False", safe_serialization=True)
+        assert torch.equal(pretrained.load(folder, cls=mm.MambaLM)(ids()), old(ids())), folder.name
+    pretrained.save(new, tmp_path / "True_False", safe_serialization=True)
     assert sorted(os.listdir(tmp_path / "True_False")) == ["config.json", "model.safetensors"]
 
 
@@ -386,32 +393,32 @@ def test_a_full_disk_at_config_json_leaves_the_old_checkpoint_and_a_stale_file_l
     # that will not go (held open) is a warning, not an error: the folder loads the new model
     old, new = tiny(1, seed=0), tiny(1, seed=1, expand=3)  # another shape: a mixed folder cannot load
     full = OSError(28, "No space left on device")
-    old.save_pretrained(tmp_path, safe_serialization=False)
+    pretrained.save(old, tmp_path, safe_serialization=False)
     with monkeypatch.context() as m:
-        m.setattr(mm, "_write_json", lambda path, d: (_ for _ in ()).throw(full))
+        m.setattr(pretrained, "_write_json", lambda path, d: (_ for _ in ()).throw(full))
         with pytest.raises(OSError, match="No space left"):
-            new.save_pretrained(tmp_path, safe_serialization=False)
+            pretrained.save(new, tmp_path, safe_serialization=False)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "pytorch_model.bin"]
-    assert torch.equal(mm.MambaLM.from_pretrained(tmp_path)(ids()), old(ids()))
+    assert torch.equal(pretrained.load(tmp_path, cls=mm.MambaLM)(ids()), old(ids()))
 
     safetensors_stand_in(monkeypatch)
     folder = tmp_path / "other_format"
-    old.save_pretrained(folder, safe_serialization=True)  # model.safetensors, which the new .bin replaces
+    pretrained.save(old, folder, safe_serialization=True)  # model.safetensors, which the new .bin replaces
     remove = os.remove
     with monkeypatch.context() as m:
         m.setattr(os, "remove", lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied", path))
                   if ".old" in path else remove(path))
         with pytest.warns(UserWarning, match=r"could not remove .*model\.safetensors\.old\d+ .*delete it by hand"):
-            new.save_pretrained(folder, safe_serialization=False)
+            pretrained.save(new, folder, safe_serialization=False)
     left = sorted(os.listdir(folder))
     assert left[0] == "config.json" and re.fullmatch(r"model\.safetensors\.old\d+", left[1]) and \
         left[2:] == ["pytorch_model.bin"], left
-    assert torch.equal(mm.MambaLM.from_pretrained(folder)(ids()), new(ids()))
+    assert torch.equal(pretrained.load(folder, cls=mm.MambaLM)(ids()), new(ids()))
 
     # the rename of the new file refused and the old file's way back refused too: the error stands,
     # and a warning says where the old weights are
     folder = tmp_path / "nothing_moves"
-    old.save_pretrained(folder, safe_serialization=True)
+    pretrained.save(old, folder, safe_serialization=True)
     replace = os.replace
     with monkeypatch.context() as m:
         m.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(PermissionError(13, "Permission denied", src))
@@ -419,7 +426,7 @@ def test_a_full_disk_at_config_json_leaves_the_old_checkpoint_and_a_stale_file_l
         with pytest.raises(PermissionError), \
                 pytest.warns(UserWarning, match=r"could not put .*model\.safetensors back .*old weights are in "
                                                 r".*model\.safetensors\.old\d+"):
-            new.save_pretrained(folder, safe_serialization=False)
+            pretrained.save(new, folder, safe_serialization=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -428,26 +435,29 @@ def test_a_full_disk_at_config_json_leaves_the_old_checkpoint_and_a_stale_file_l
 
 @pytest.mark.parametrize("generation", [1, 2, 3])
 def test_bad_dtypes_and_unknown_overrides_are_refused_by_name(tmp_path, generation):
-    tiny(generation).save_pretrained(tmp_path)
+    pretrained.save(tiny(generation), tmp_path)
     cls = CLASSES[generation]
     for dtype in (torch.int64, torch.bool, "bf16"):
         with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype"):
-            cls.from_pretrained(tmp_path, dtype=dtype)
+            pretrained.load(tmp_path, cls=cls, dtype=dtype)
     with pytest.raises(ValueError, match=r"unknown Mamba\d?Config fields \['frobnicate'\]"):
-        cls.from_pretrained(tmp_path, frobnicate=3)
-    assert cls.from_pretrained(tmp_path, scan_backend="sequential").cfg.scan_backend == "sequential"
+        pretrained.load(tmp_path, cls=cls, frobnicate=3)
+    # an override that is a field: how to run for Mamba-2 and -3, and a model field of Mamba-1's
+    # (whose ways to run are mamba_engine.accelerate's arguments, not config fields)
+    name, value = ("scan_backend", "sequential") if generation > 1 else ("norm_epsilon", 1e-4)
+    assert getattr(pretrained.load(tmp_path, cls=cls, **{name: value}).cfg, name) == value
 
 
 @pytest.mark.parametrize("generation, field", [(1, "tie_embeddings"), (1, "residual_in_fp32"), (1, "conv_bias"),
                                                (2, "tie_embeddings"), (2, "residual_in_fp32"), (2, "bias")])
 def test_booleans_given_as_strings_are_refused(tmp_path, generation, field):
-    tiny(generation).save_pretrained(tmp_path)
+    pretrained.save(tiny(generation), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     where = config["ssm_cfg"] if field in config["ssm_cfg"] else config
     where[field] = "no"  # a non-empty string: true to Python
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"{field} must be True or False, got 'no'"):
-        CLASSES[generation].from_pretrained(tmp_path)
+        pretrained.load(tmp_path, cls=CLASSES[generation])
 
 
 @pytest.mark.parametrize("generation, field", [(g, f) for g in (1, 2, 3) for f in ("dt_min", "dt_max", "dt_init_floor")]
@@ -456,49 +466,49 @@ def test_booleans_given_as_strings_are_refused(tmp_path, generation, field):
 def test_init_numbers_that_are_not_numbers_are_refused_by_name(tmp_path, generation, field, value):
     # they reach the Δ init (dt_bias_init) and Mamba-3's A: a TypeError deep inside, or, for a NaN
     # floor, a model whose every Δ is NaN
-    tiny(generation).save_pretrained(tmp_path)
+    pretrained.save(tiny(generation), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["ssm_cfg"][field] = value
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"{field} must be .*, got {re.escape(repr(value))}"):
-        CLASSES[generation].from_pretrained(tmp_path)
+        pretrained.load(tmp_path, cls=CLASSES[generation])
 
 
 @pytest.mark.parametrize("generation", [1, 2, 3])
 def test_an_infinite_dt_init_floor_is_refused_by_name(tmp_path, generation):
     # json reads Infinity; as the floor of the Δ init it makes every dt_bias inf, so every Δ and
     # every output of the model NaN
-    tiny(generation).save_pretrained(tmp_path)
+    pretrained.save(tiny(generation), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["ssm_cfg"]["dt_init_floor"] = float("inf")
     (tmp_path / "config.json").write_text(json.dumps(config))  # written as Infinity
     with pytest.raises(ValueError, match="dt_init_floor must be a number >= 0, got inf"):
-        CLASSES[generation].from_pretrained(tmp_path)
+        pretrained.load(tmp_path, cls=CLASSES[generation])
 
 
 def test_an_ssm_cfg_that_is_an_empty_list_is_refused_and_null_is_the_default(tmp_path):
-    tiny(1).save_pretrained(tmp_path)
+    pretrained.save(tiny(1), tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["ssm_cfg"] = None  # the official default: Mamba-1 with its defaults
-    assert mm.config_from_dict(config).d_state == mm.MambaConfig.d_state
+    assert pretrained.config_from_dict(config).d_state == mm.MambaConfig.d_state
     config["ssm_cfg"] = []
     with pytest.raises(ValueError, match="ssm_cfg must be an object of fields, got a list"):
-        mm.config_from_dict(config)
+        pretrained.config_from_dict(config)
 
 def test_a_dangling_symlink_and_shards_outside_the_folder_are_named(tmp_path):
     model = tiny(1)
-    model.save_pretrained(tmp_path / "ckpt", safe_serialization=False)
+    pretrained.save(model, tmp_path / "ckpt", safe_serialization=False)
     os.remove(tmp_path / "ckpt" / "pytorch_model.bin")
     os.symlink(tmp_path / "blobs" / "gone", tmp_path / "ckpt" / "pytorch_model.bin")
     with pytest.raises(FileNotFoundError, match="pytorch_model.bin is a symbolic link to .*gone, which does not exist"):
-        mm.MambaLM.from_pretrained(tmp_path / "ckpt")
+        pretrained.load(tmp_path / "ckpt", cls=mm.MambaLM)
     os.remove(tmp_path / "ckpt" / "pytorch_model.bin")
     torch.save(model.state_dict(), tmp_path / "outside.bin")
     for name in ("../outside.bin", str(tmp_path / "outside.bin")):
         (tmp_path / "ckpt" / "pytorch_model.bin.index.json").write_text(
             json.dumps({"weight_map": {k: name for k in model.state_dict()}}))
         with pytest.raises(ValueError, match="shards must be file names inside"):
-            mm.MambaLM.from_pretrained(tmp_path / "ckpt")
+            pretrained.load(tmp_path / "ckpt", cls=mm.MambaLM)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -527,7 +537,7 @@ def char_tokenizer(monkeypatch):
 def test_generate_picks_the_generation_and_prints_the_greedy_continuation(tmp_path, capsys, char_tokenizer,
                                                                           generation):
     model = tiny(generation)
-    model.save_pretrained(tmp_path)
+    pretrained.save(model, tmp_path)
     pretrained.main(["generate", str(tmp_path), "--prompt", "the cat", "--max-new-tokens", "12",
                      "--temperature", "0"])
     out = capsys.readouterr().out
@@ -541,7 +551,7 @@ def test_generate_picks_the_generation_and_prints_the_greedy_continuation(tmp_pa
 
 def test_score_is_the_mean_loss_of_the_text_whatever_the_window(tmp_path, capsys, char_tokenizer):
     model = tiny(2).double()
-    model.save_pretrained(tmp_path)
+    pretrained.save(model, tmp_path)
     text = "a stitch in time saves nine and a rolling stone gathers no moss"
     (tmp_path / "text.txt").write_text(text)
     token_ids = torch.tensor([CharTokenizer()(text)["input_ids"]])
@@ -566,7 +576,7 @@ def test_score_is_the_mean_loss_of_the_text_whatever_the_window(tmp_path, capsys
     (["--text", "latin1.txt"], "error: cannot read --text latin1.txt: 'utf-8' codec can't decode"),
 ])
 def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tokenizer, monkeypatch, flags, message):
-    tiny(1).save_pretrained(tmp_path)
+    pretrained.save(tiny(1), tmp_path)
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))  # not UTF-8
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # the same answer on a machine with a GPU
     monkeypatch.chdir(tmp_path)
@@ -586,7 +596,7 @@ def test_bad_flags_end_with_a_message_that_names_them(tmp_path, capsys, char_tok
     (["--top-p", "1.5"], r"--top-p must lie in \(0, 1\]"),
 ])
 def test_bad_sampling_flags_end_before_anything_is_printed(tmp_path, capsys, char_tokenizer, flags, message):
-    tiny(1).save_pretrained(tmp_path)
+    pretrained.save(tiny(1), tmp_path)
     with pytest.raises(SystemExit):
         pretrained.main(["generate", str(tmp_path), "--prompt", "abc"] + flags)
     out, err = capsys.readouterr()
@@ -597,14 +607,14 @@ def test_score_of_a_mamba3_checkpoint_gives_the_loss_under_each_A(tmp_path, caps
     # a checkpoint trained with the March 2026 release's softplus A: the variant with the lower loss
     # on its own text says which A it needs (mamba3_minimal.A_variant_losses)
     model = tiny(3, A_activation="softplus").double()
-    model.save_pretrained(tmp_path)
+    pretrained.save(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["ssm_cfg"]["A_activation"] == "softplus"
     text = "the quick brown fox jumps over the lazy dog"
     (tmp_path / "text.txt").write_text(text)
     token_ids = torch.tensor([CharTokenizer()(text)["input_ids"]])
     expected = {}
     for variant in m3.A_ACTIVATIONS:  # the oracle: one forward per variant, log-softmax in float64
-        variant_model = CLASSES[3].from_pretrained(tmp_path, dtype=torch.float64, A_activation=variant)
+        variant_model = pretrained.load(tmp_path, cls=CLASSES[3], dtype=torch.float64, A_activation=variant)
         logits = variant_model(token_ids)[0, :-1, :VOCAB].double()  # the vocabulary, its padding left out
         expected[variant] = -logits.log_softmax(-1).gather(-1, token_ids[0, 1:, None]).mean().item()
     assert expected["heavy_tail"] != pytest.approx(expected["softplus"], abs=1e-4)
@@ -615,7 +625,7 @@ def test_score_of_a_mamba3_checkpoint_gives_the_loss_under_each_A(tmp_path, caps
 
 
 def test_a_folder_with_its_own_tokenizer_uses_it_and_the_flag_overrides(tmp_path, char_tokenizer):
-    tiny(1).save_pretrained(tmp_path)
+    pretrained.save(tiny(1), tmp_path)
     (tmp_path / "tokenizer.json").write_text("{}")
     pretrained.main(["generate", str(tmp_path), "--prompt", "a", "--max-new-tokens", "1"])
     pretrained.main(["generate", str(tmp_path), "--prompt", "a", "--max-new-tokens", "1", "--tokenizer", "x/y"])
@@ -654,7 +664,7 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, monkeypatch, cap
             return {"input_ids": [wrong_id]}
 
     monkeypatch.setattr(pretrained, "load_tokenizer", lambda name: Wide())
-    tiny(1).save_pretrained(tmp_path)
+    pretrained.save(tiny(1), tmp_path)
     with pytest.raises(SystemExit, match=f"gives id {wrong_id}, and the model has {VOCAB} tokens"):
         pretrained.main(["generate", str(tmp_path), "--prompt", "a"])
 
@@ -669,7 +679,7 @@ def test_a_real_transformers_tokenizer_saved_with_the_checkpoint_runs_end_to_end
     tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
     model = tiny(3)
-    model.save_pretrained(tmp_path)
+    pretrained.save(model, tmp_path)
     fast.save_pretrained(tmp_path)
     pretrained.main(["generate", str(tmp_path), "--prompt", "w3 w4 w5", "--max-new-tokens", "6", "--temperature", "0"])
     out = capsys.readouterr().out
