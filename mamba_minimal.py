@@ -525,9 +525,10 @@ def _check_ids(input_ids, rank, vocab_size, read_values):
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != rank:
         got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a tensor of shape {shape}, got {got}")
-    if input_ids.dtype not in (torch.int64, torch.int32) or input_ids.numel() == 0:
-        raise ValueError(f"input_ids must hold integer token ids, got {input_ids.dtype} of shape "
-                         f"{tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.numel() == 0:
+        raise ValueError(f"input_ids must not be empty, got shape {tuple(input_ids.shape)}")
     if read_values:
         lo, hi = int(input_ids.min()), int(input_ids.max())  # reads values: a device sync on a GPU
         if lo < 0 or hi >= vocab_size:
@@ -549,19 +550,24 @@ def _check_cache(model, cache, batch, written_in_place=False):
     layer's cache_spec (a None in a shape: an attention layer's tokens, any number). step writes
     into the fixed-size states, so there no two may share memory, and a growing entry is a list."""
     specs = [layer.mixer.cache_spec(batch) for layer in model.backbone.layers]
+    entries = [_cache_entry_name(spec) for spec in specs]
     if not isinstance(cache, (list, tuple)) or len(cache) != len(specs):
         got = len(cache) if isinstance(cache, (list, tuple)) else type(cache).__name__
-        raise ValueError(f"cache must be a list of {len(specs)} entries, one per layer, as prefill returns it "
-                         f"for this model; got {got}")
-    seen, lists = [], {}  # (storage, first byte, end byte, owner); id of a growing entry -> layer
+        what = f"{entries[0]}s" if len(set(entries)) == 1 else "entries (" + "; ".join(dict.fromkeys(entries)) + ")"
+        raise ValueError(f"cache must be a list of {len(specs)} {what}, one per layer, as prefill returns it for "
+                         f"this model; got {got}")
+    owners, lists = [], {}  # (storage, first byte, end byte, whose); id of a growing entry -> its layer
     for i, (layer, entry, spec) in enumerate(zip(model.backbone.layers, cache, specs)):
-        names = ", ".join(name for name, *_ in spec)
-        grows = any(None in shape for _, shape, *_ in spec)
+        grows = [name for name, shape, *_ in spec if None in shape]
         if not isinstance(entry, (list, tuple)) or len(entry) != len(spec) or (
-                written_in_place and grows and (not isinstance(entry, list) or id(entry) in lists)):
-            raise ValueError(f"cache[{i}] must be this layer's own ({names}) {'list' if grows else 'tuple'}, as "
-                             f"prefill returns it{' (step replaces its tensors)' if grows else ''}")
-        lists[id(entry)] = i
+                written_in_place and grows and not isinstance(entry, list)):
+            raise ValueError(f"cache[{i}] must be a {entries[i]}, as prefill returns it for this model"
+                             + (f" (step replaces its {', '.join(grows)})" if grows else ""))
+        if written_in_place and grows:
+            if id(entry) in lists:  # [entry] * n_layer: step would append every layer's token to one list
+                raise ValueError(f"cache[{i}] is the same list as cache[{lists[id(entry)]}]; each layer needs a "
+                                 f"list of its own, as prefill returns them")
+            lists[id(entry)] = i
         device, tokens = next(layer.mixer.parameters()).device, set()
         for t, (name, shape, dims, dtype) in zip(entry, spec):
             if not isinstance(t, torch.Tensor) or t.dim() != len(shape) or any(
@@ -576,16 +582,29 @@ def _check_cache(model, cache, batch, written_in_place=False):
             if None in shape:
                 tokens.add(t.shape[shape.index(None)])
             elif written_in_place:
-                extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+                if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+                    raise ValueError(f"cache[{i}] {name} repeats one row in memory (an expand()ed tensor); "
+                                     f"give it memory of its own, e.g. with .clone()")
+                extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()) if size > 0) + 1
                 first = t.storage_offset() * t.element_size()
                 span = (t.untyped_storage().data_ptr(), first, first + extent * t.element_size())
-                if any(st == 0 and size > 1 for st, size in zip(t.stride(), t.shape)) or any(
-                        span[0] == other[0] and span[1] < other[2] and other[1] < span[2] for other in seen):
-                    raise ValueError(f"cache[{i}] {name} shares its memory with another state or repeats a "
-                                     f"row (e.g. [pair] * n_layer, or expand()): give it its own with .clone()")
-                seen.append(span)
+                for storage, start, end, owner in owners:
+                    if span[0] == storage and span[1] < end and start < span[2]:
+                        raise ValueError(f"cache[{i}] {name} shares its memory with {owner}; each state needs "
+                                         f"memory of its own ([pair] * n_layer repeats one pair; views of one "
+                                         f"buffer overlap): give it its own, e.g. with .clone()")
+                owners.append((*span, f"cache[{i}] {name}"))
         if len(tokens) > 1 or 0 in tokens:
-            raise ValueError(f"cache[{i}] {names} must hold the same number of tokens, at least one")
+            raise ValueError(f"cache[{i}] {', '.join(grows)} must hold the same number of tokens, at least one")
+
+
+def _cache_entry_name(spec):
+    """How _check_cache names a layer's cache: "(conv_state, ssm_state) pair", or for an attention
+    layer, whose step replaces tensors in it, "list [k, v, valid, conv_state]"."""
+    names = ", ".join(name for name, *_ in spec)
+    if any(None in shape for _, shape, *_ in spec):
+        return f"list [{names}]"
+    return f"({names}) {'pair' if len(spec) == 2 else 'tuple'}"
 
 
 def _check_options(model, input_ids, cache, seq_idx, attention_mask, read_values):

@@ -1,20 +1,25 @@
-"""Specification of mamba_minimal.py: the selective scan, the model, recurrent inference, loading."""
+"""Specification of mamba_minimal.py and the engine that accelerates it (mamba_engine.py): the selective
+scan, the model, recurrent inference, loading (pretrained.py). A model built by mamba_minimal runs the
+lesson's code; the tests of the engine accelerate one explicitly."""
 
 import copy
 import functools
 import importlib.util
 import json
 import math
+import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import mamba_engine as me
 import mamba_minimal as mm
+import pretrained
 from mamba_minimal import MambaConfig, MambaLM
 
-EAGER_BACKENDS = ["sequential", "pscan", "associative", "fused"]  # the backends that run without compiling
+EAGER_BACKENDS = ["sequential", "pscan", "associative", "fused"]  # the engine's backends that run without compiling
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
@@ -63,15 +68,15 @@ def tiny_model(seed=0, **kw):
 SCAN_CASES = [  # (backend, chunk_size, recompute)
     ("sequential", 16, False), ("pscan", 16, False), ("associative", 16, False),
     ("fused", 4, False), ("fused", 4, True), ("fused", 16, False), ("fused", 16, True),
-    ("fused", 5, True), ("auto", 16, False),
+    ("fused", 5, True), ("auto", 16, False), ("reference", 16, False),
 ]
 
 
 def assert_matches_reference(L, tol=1e-10, **kwargs):
-    """selective_scan(**kwargs) against the float64 reference: y, the final state, and the
+    """mamba_engine.selective_scan(**kwargs) against the float64 reference: y, the final state, and the
     gradients with respect to every input."""
     inputs = [t.requires_grad_() for t in scan_inputs(l=L)]
-    y, h_last = mm.selective_scan(*inputs, return_last_state=True, **kwargs)
+    y, h_last = me.selective_scan(*inputs, return_last_state=True, **kwargs)
     ref_inputs = [t.detach().clone().requires_grad_() for t in inputs]
     y_ref, h_ref = reference_selective_scan(*ref_inputs)
     torch.testing.assert_close(y, y_ref, rtol=tol, atol=tol)
@@ -103,7 +108,7 @@ def test_selective_scan_without_optional_inputs():
     x, delta, A, B, C, *_ = scan_inputs()
     y_ref, _ = reference_selective_scan(x, delta, A, B, C)
     for backend in EAGER_BACKENDS:
-        torch.testing.assert_close(mm.selective_scan(x, delta, A, B, C, backend=backend), y_ref)
+        torch.testing.assert_close(me.selective_scan(x, delta, A, B, C, backend=backend), y_ref)
 
 
 @pytest.mark.parametrize("keep", ["D", "z", "neither"])
@@ -113,7 +118,7 @@ def test_fused_gradients_without_skip_or_gate(keep, recompute):
     x, delta, A, B, C, D, z, h0 = (t.requires_grad_() for t in scan_inputs(l=21))
     D, z = (D if keep == "D" else None), (z if keep == "z" else None)
     inputs = [t for t in (x, delta, A, B, C, D, z, h0) if t is not None]
-    y = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="fused", chunk_size=8, recompute=recompute)
+    y = me.selective_scan(x, delta, A, B, C, D, z, h0, backend="fused", chunk_size=8, recompute=recompute)
     y_ref, _ = reference_selective_scan(x, delta, A, B, C, D, z, h0)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     gy = torch.randn_like(y_ref)
@@ -129,7 +134,7 @@ def test_selective_scan_half_inputs_keep_fp32_state():
     args = [t.bfloat16() for t in (x, delta)] + [A] + [t.bfloat16() for t in (B, C, D, z)] + [h0]
     y_ref, h_ref = reference_selective_scan(*args)  # float64 of the very same values
     for backend in EAGER_BACKENDS:
-        y, h = mm.selective_scan(*args, backend=backend, return_last_state=True)
+        y, h = me.selective_scan(*args, backend=backend, return_last_state=True)
         assert y.dtype == torch.bfloat16 and h.dtype == torch.float32
         torch.testing.assert_close(h.double(), h_ref, rtol=1e-5, atol=1e-5, msg=backend)
         assert ((y.double() - y_ref).abs() <= 2 ** -8 * y_ref.abs() + 1e-5).all(), backend
@@ -152,7 +157,7 @@ def test_selective_scan_bad_shapes_raise(change, message):
     args = scan_inputs()
     change(args)
     with pytest.raises(ValueError, match=message):
-        mm.selective_scan(*args)
+        me.selective_scan(*args)
 
 
 def test_compile_modes_choose_the_loop_over_chunks(monkeypatch):
@@ -165,27 +170,27 @@ def test_compile_modes_choose_the_loop_over_chunks(monkeypatch):
 
         def rejected(*args):
             raise torch._dynamo.exc.Unsupported("scan is not supported")
-        return rejected if fn is mm._chunk_loop and reject else fn
+        return rejected if fn is me._chunk_loop and reject else fn
 
-    monkeypatch.setattr(mm, "_maybe_compiled", pretend_compile)
-    monkeypatch.setattr(mm, "_compiled_loop_works", True)
+    monkeypatch.setattr(me, "_maybe_compiled", pretend_compile)
+    monkeypatch.setattr(me, "_compiled_loop_works", True)
     inputs, y_ref = scan_inputs(l=13), reference_selective_scan(*scan_inputs(l=13))[0]
     with torch.no_grad():
         for compile, wanted in ((True, ["_scan_chunk"]), ("loop", ["_chunk_loop"])):
             asked.clear()
-            y = mm.selective_scan(*inputs, compile=compile, chunk_size=4)
+            y = me.selective_scan(*inputs, compile=compile, chunk_size=4)
             torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
             assert asked == wanted, compile
     reject = True
     with torch.no_grad(), pytest.warns(UserWarning, match="compiling the loop over chunks failed"):
-        y = mm.selective_scan(*inputs, compile="loop", chunk_size=4)
+        y = me.selective_scan(*inputs, compile="loop", chunk_size=4)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-    assert mm._compiled_loop_works is False
+    assert me._compiled_loop_works is False
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # not again
-        mm.selective_scan(*inputs, compile="loop", chunk_size=4)
+        me.selective_scan(*inputs, compile="loop", chunk_size=4)
     with pytest.raises(ValueError, match="compile must be one of"):
-        mm.selective_scan(*inputs, compile="fast")
+        me.selective_scan(*inputs, compile="fast")
 
 
 def test_a_failing_compiler_falls_back_to_eager_once_and_real_errors_still_raise(monkeypatch):
@@ -207,8 +212,8 @@ def test_a_failing_compiler_falls_back_to_eager_once_and_real_errors_still_raise
         return 2 * x
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    f = mm.CompiledOrEager(double, "double")
-    with pytest.warns(mm.CompileFallbackWarning, match=r"^torch.compile failed for double \(RuntimeError: "
+    f = me.CompiledOrEager(double, "double")
+    with pytest.warns(me.CompileFallbackWarning, match=r"^torch.compile failed for double \(RuntimeError: "
                                                         r"InductorError: no working C\+\+ compiler found\); it runs "
                                                         r"eagerly from now on$"):
         assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
@@ -216,7 +221,7 @@ def test_a_failing_compiler_falls_back_to_eager_once_and_real_errors_still_raise
         warnings.simplefilter("error")  # one warning, not one per call
         assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
     assert calls == ["compiled", "eager", "eager"]
-    g = mm.CompiledOrEager(double, "double")
+    g = me.CompiledOrEager(double, "double")
     with warnings.catch_warnings(), pytest.raises(ValueError, match="x is empty"):
         warnings.simplefilter("error")
         g(torch.ones(0))
@@ -237,10 +242,10 @@ def test_a_backward_that_fails_to_compile_fails_inside_the_call():
     can_move = hasattr(functorch_config, "force_non_lazy_backward_lowering")  # torch >= 2.10
     for now in (True, False):
         torch._dynamo.reset()
-        f = mm.CompiledOrEager(lambda t: t.sin() * 2, "sin", compile_backward_now=now, backend=backend)
+        f = me.CompiledOrEager(lambda t: t.sin() * 2, "sin", compile_backward_now=now, backend=backend)
         assert f.compile_backward_now == (now and can_move)
         if f.compile_backward_now:
-            with pytest.warns(mm.CompileFallbackWarning, match="the backward's compiler failed"):
+            with pytest.warns(me.CompileFallbackWarning, match="the backward's compiler failed"):
                 y = f(x)
             (grad,) = torch.autograd.grad(y.sum(), x)
             torch.testing.assert_close(grad, 2 * x.detach().cos())
@@ -253,24 +258,24 @@ def fresh_compiles(monkeypatch, compile_fn):
     """torch.compile replaced by compile_fn for the models' compiled functions, made anew."""
     import mamba2_minimal as m2
     monkeypatch.setattr(torch, "compile", compile_fn)
-    monkeypatch.setattr(mm, "_compiled", {})
+    monkeypatch.setattr(me, "_compiled", {})
     monkeypatch.setattr(m2, "_compiled_forward", functools.cache(m2._compiled_forward.__wrapped__))
 
 
 def small_models():
-    """Mamba-1 with its fused scan compiled and Mamba-2 with its mixer compiled (two chunks of 8
-    at L = 16), each with an eager twin of the same weights."""
+    """Mamba-1 accelerated with its fused scan compiled and Mamba-2 with its mixer compiled (two
+    chunks of 8 at L = 16), each with an eager twin of the same weights (Mamba-1's: the engine's
+    default, the eager backend "auto")."""
     import mamba2_minimal as m2
     torch.manual_seed(0)
-    m1 = MambaLM(MambaConfig(d_model=16, n_layer=2, vocab_size=21, d_state=4, chunk_size=4, compile_scan=True))
+    m1 = MambaLM(MambaConfig(d_model=16, n_layer=2, vocab_size=21, d_state=4))
     m2_ = m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=2, vocab_size=21, d_state=8, headdim=16, chunk_size=8,
                                       compile_mixer=True))
-    pairs = []
-    for model in (m1, m2_):
-        eager = copy.deepcopy(model)
-        eager.cfg.compile_scan = eager.cfg.compile_mixer = False
-        pairs.append((model, eager))
-    return pairs
+    eager1, eager2 = copy.deepcopy(m1), copy.deepcopy(m2_)
+    me.accelerate(m1, compile=True, chunk_size=4)
+    me.accelerate(eager1)
+    eager2.cfg.compile_mixer = False
+    return [(m1, eager1), (m2_, eager2)]
 
 
 def training_gradients(model, ids):
@@ -299,7 +304,7 @@ def test_a_compiler_that_fails_at_the_evaluation_or_a_later_shape_leaves_the_run
         for g, w in zip(training_gradients(model, ids), training_gradients(eager, ids)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
         failing = "_scan_chunk" if later == "evaluation" else "_forward"
-        with pytest.warns(mm.CompileFallbackWarning, match="TritonError: out of shared memory"):
+        with pytest.warns(me.CompileFallbackWarning, match="TritonError: out of shared memory"):
             if later == "evaluation":
                 with torch.no_grad():
                     torch.testing.assert_close(model(ids), eager(ids), rtol=1e-5, atol=1e-6)
@@ -324,7 +329,7 @@ def test_without_fallback_a_compiler_error_is_raised_and_nothing_turns_eager(mon
         return compiled
 
     monkeypatch.setattr(torch, "compile", broken_compile)
-    f = mm.CompiledOrEager(lambda x: 2 * x, "double", fallback=False)
+    f = me.CompiledOrEager(lambda x: 2 * x, "double", fallback=False)
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="no working C\\+\\+ compiler"):
         warnings.simplefilter("error")
         f(torch.ones(2))
@@ -339,7 +344,7 @@ def test_torch_func_grad_and_vmap_through_the_conv_and_the_fused_scan_match_auto
     import mamba2_minimal as m2
     ids = torch.randint(0, 21, (2, 11), generator=torch.Generator().manual_seed(2))
     torch.manual_seed(0)
-    for model in (tiny_model(scan_backend="fused", chunk_size=4).double(),
+    for model in (me.accelerate(tiny_model(), backend="fused", chunk_size=4).double(),
                   m2.Mamba2LM(m2.Mamba2Config(d_model=32, n_layer=2, vocab_size=21, d_state=8, headdim=16,
                                               chunk_size=4)).double()):
         params = {k: v.detach() for k, v in model.named_parameters()}
@@ -353,23 +358,23 @@ def test_torch_func_grad_and_vmap_through_the_conv_and_the_fused_scan_match_auto
 
     def scan_loss(x, delta, A, B, C, D, z, h0, compile=False):  # one sample: a batch of 1 inside
         one = [t.unsqueeze(0) for t in (x, delta, B, C, z, h0)]
-        y = mm.selective_scan(*one[:2], A, *one[2:4], D, *one[4:], backend="fused", chunk_size=3, compile=compile)
+        y = me.selective_scan(*one[:2], A, *one[2:4], D, *one[4:], backend="fused", chunk_size=3, compile=compile)
         return y.pow(2).sum()
 
     batched = (0, 0, None, 0, 0, None, 0, 0)  # A and D are shared by the samples
     per_sample = torch.func.vmap(torch.func.grad(scan_loss, argnums=tuple(range(8))), in_dims=batched)(*inputs)
     with warnings.catch_warnings():  # compile=True under the transforms: its chunks run eagerly, not as a failure
-        warnings.simplefilter("error", mm.CompileFallbackWarning)
+        warnings.simplefilter("error", me.CompileFallbackWarning)
         compiled_loss = lambda *args: scan_loss(*args, compile=True)
         same = torch.func.vmap(torch.func.grad(compiled_loss, argnums=tuple(range(8))), in_dims=batched)(*inputs)
     for g, w in zip(same, per_sample):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-    mixer = tiny_model().double().backbone.layers[0].mixer
+    mixer = me.accelerate(tiny_model()).double().backbone.layers[0].mixer
     x_in = torch.randn(3, 9, mixer.cfg.d_inner, dtype=torch.float64)
 
     def conv_loss(x, w):  # one sample
         x_pad = F.pad(x.unsqueeze(0), (0, 0, mixer.cfg.d_conv - 1, 0))
-        return mm._CausalConv.apply(x_pad, w, mixer.conv1d.bias.detach(), None).pow(2).sum()
+        return me._CausalConv.apply(x_pad, w, mixer.conv1d.bias.detach(), None).pow(2).sum()
     w = mixer.conv1d.weight.detach()[:, 0, :]
     conv_per_sample = torch.func.vmap(torch.func.grad(conv_loss, argnums=(0, 1)), in_dims=(0, None))(x_in, w)
     for i in range(3):
@@ -392,15 +397,18 @@ def test_the_hand_written_functions_trace_into_one_graph():
     # code generated) with fullgraph=True, which raises at any break, with and without autograd
     import pscan
     from torch._dynamo.testing import CompileCounter
-    mixer = tiny_model().backbone.layers[0].mixer
+    lesson_mixer = tiny_model().backbone.layers[0].mixer
+    mixer = me.accelerate(tiny_model()).backbone.layers[0].mixer
     x, delta, A, B, C, D, z, h0 = (t.float().requires_grad_() for t in scan_inputs(l=9))
     a, b = torch.rand(2, 9, 3, requires_grad=True), torch.randn(2, 9, 3, requires_grad=True)
     cases = {f"pscan.scan {backend}": lambda backend=backend: pscan.scan(a, b, backend=backend)
              for backend in pscan.BACKENDS}
     cases["causal conv"] = lambda: mixer.causal_conv(torch.randn(2, 9, mixer.cfg.d_inner))
-    cases["fused scan, recomputing backward"] = lambda: mm.fused_selective_scan(x, delta, A, B, C, D, z, h0, 4)[0]
+    cases["the lesson's causal conv"] = lambda: lesson_mixer.causal_conv(torch.randn(2, 9, mixer.cfg.d_inner))
+    cases["the lesson's selective scan"] = lambda: mm.selective_scan_reference(x, delta, A, B, C, D, z, h0)[0]
+    cases["fused scan, recomputing backward"] = lambda: me.fused_selective_scan(x, delta, A, B, C, D, z, h0, 4)[0]
     # --compile inside --compile-model: the outer compile traces the chunk functions themselves
-    cases["fused scan, compile=True"] = lambda: mm.fused_selective_scan(x, delta, A, B, C, D, z, h0, 4,
+    cases["fused scan, compile=True"] = lambda: me.fused_selective_scan(x, delta, A, B, C, D, z, h0, 4,
                                                                         compile=True)[0]
     for name, fn in cases.items():
         torch._dynamo.reset()
@@ -415,9 +423,9 @@ def test_the_hand_written_functions_trace_into_one_graph():
 def test_selective_scan_unknown_backend_and_chunk_size_raise():
     args = scan_inputs()
     with pytest.raises(ValueError, match="backend must be one of"):
-        mm.selective_scan(*args, backend="cuda_kernel")
+        me.selective_scan(*args, backend="cuda_kernel")
     with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
-        mm.selective_scan(*args, backend="fused", chunk_size=0)
+        me.selective_scan(*args, backend="fused", chunk_size=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -437,11 +445,12 @@ def test_module_tree_has_the_official_names():
 
 
 def test_every_backend_gives_the_same_logits_and_gradients():
+    # the lesson's code first ("reference"), then each of the engine's backends
     model = tiny_model().double()
     ids = torch.randint(0, 21, (2, 19), generator=torch.Generator().manual_seed(1))
     results = []
-    for backend in EAGER_BACKENDS:
-        model.cfg.scan_backend = backend
+    for backend in ["reference"] + EAGER_BACKENDS:
+        me.accelerate(model, backend=backend)
         model.zero_grad()
         logits = model(ids)
         F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
@@ -470,10 +479,10 @@ def _train_a_few_steps(model, steps=5, seed=3):
 
 @pytest.mark.parametrize("engine", ["auto", "sequential", "fused"])
 def test_the_read_path_trains_exactly_like_the_engine(engine):
-    # scan_backend="reference" runs sections 2 and 3's code under autograd; the engine's hand-written
-    # backwards and fused path must give the same losses and updates, step after step
-    read = tiny_model(scan_backend="reference").double()
-    fast = tiny_model(scan_backend=engine).double()
+    # the model as built runs mamba_minimal.py's sections 2 and 3 under autograd; the engine's
+    # hand-written backwards and fused path must give the same losses and updates, step after step
+    read = tiny_model().double()
+    fast = me.accelerate(tiny_model(), backend=engine).double()
     read_losses, read_params = _train_a_few_steps(read)
     fast_losses, fast_params = _train_a_few_steps(fast)
     assert max(abs(a - b) for a, b in zip(read_losses, fast_losses)) < 1e-10
@@ -481,22 +490,49 @@ def test_the_read_path_trains_exactly_like_the_engine(engine):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-10)
 
 
-def test_the_read_path_runs_the_lessons_functions_and_nothing_of_section_6(monkeypatch):
-    # a breakpoint in section 2's selective_scan_reference or section 3's shifted_sum is reached,
-    # and section 6's autograd Functions are never entered
-    calls = []
-    for name in ("selective_scan_reference", "shifted_sum"):
-        original = getattr(mm, name)
-        monkeypatch.setattr(mm, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    for name in ("_SelectiveScan", "_CausalConv", "_RecomputedChunk"):
-        monkeypatch.setattr(getattr(mm, name), "apply", lambda *a, _n=name: pytest.fail(f"{_n} ran"))
-    model = tiny_model(scan_backend="reference")
+def calls_of(functions, run):
+    """How many times each of `functions` (by name) is entered while run() runs: what a breakpoint
+    in it would see, whatever name the caller reached it by."""
+    codes = {f.__code__: name for name, f in functions.items()}
+    calls = {name: 0 for name in functions}
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            calls[codes[frame.f_code]] += 1
+    before = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(before)
+    return calls
+
+
+def _forward_backward(model):
     F.cross_entropy(model(torch.randint(0, 21, (2, 9))).flatten(0, 1), torch.randint(0, 21, (18,))).backward()
-    assert calls.count("selective_scan_reference") == 2 and calls.count("shifted_sum") == 2  # two layers
+
+
+def test_the_model_as_built_runs_the_lessons_functions_and_nothing_of_the_engine():
+    # a breakpoint in mamba_minimal.py section 2's selective_scan_reference or section 3's
+    # shifted_sum is reached, and mamba_engine.py's autograd Functions are never entered; accelerated,
+    # the other way round
+    functions = {"selective_scan_reference": mm.selective_scan_reference, "shifted_sum": mm.shifted_sum,
+                 "_SelectiveScan": me._SelectiveScan.forward, "_CausalConv": me._CausalConv.forward,
+                 "_RecomputedChunk": me._RecomputedChunk.forward, "selective_scan": me.selective_scan}
+    lesson = calls_of(functions, lambda: _forward_backward(tiny_model()))
+    assert lesson == dict(selective_scan_reference=2, shifted_sum=2, _SelectiveScan=0, _CausalConv=0,
+                          _RecomputedChunk=0, selective_scan=0)  # two layers
+    engine = calls_of(functions, lambda: _forward_backward(me.accelerate(tiny_model())))
+    assert engine == dict(selective_scan_reference=0, shifted_sum=2, _SelectiveScan=2, _CausalConv=2,
+                          _RecomputedChunk=0, selective_scan=2)  # _CausalConv's forward is shifted_sum
+    # backend="reference" gives a model back the lesson's code
+    back = calls_of(functions, lambda: _forward_backward(me.accelerate(me.accelerate(tiny_model()),
+                                                                       backend="reference")))
+    assert back == lesson
 
 
 def test_the_read_path_scans_with_the_loop_not_autos_dispatch(monkeypatch):
-    # selective_scan_reference scans with pscan.py section 1's loop, as the official selective_scan_ref
+    # the model as built scans with pscan.py section 1's loop, as the official selective_scan_ref
     # does, so a reader following its calls reads neither the parallel tree (sections 5 and 8) nor a
     # backend choice (pscan.py appendix C); "auto" would pick the tree for a training step here
     loops = []
@@ -504,7 +540,7 @@ def test_the_read_path_scans_with_the_loop_not_autos_dispatch(monkeypatch):
     monkeypatch.setattr(mm.pscan, "scan_sequential", lambda *a: loops.append(1) or real_loop(*a))
     monkeypatch.setattr(mm.pscan, "_brent_kung_", lambda *a: pytest.fail("the tree ran"))
     monkeypatch.setattr(mm.pscan, "choose_backend", lambda *a: pytest.fail("auto's dispatch ran"))
-    model = tiny_model(scan_backend="reference")
+    model = tiny_model()
     F.cross_entropy(model(torch.randint(0, 21, (2, 9))).flatten(0, 1), torch.randint(0, 21, (18,))).backward()
     assert len(loops) == 2  # two layers
     with torch.no_grad():
@@ -555,7 +591,7 @@ def _ks_bound(n):
 def test_official_initialization():
     cfg = dict(d_model=64, n_layer=3, d_state=16, dt_min=1e-3, dt_max=0.1, dt_init_floor=1e-4)
     model = tiny_model(**cfg)
-    model._init_weights()  # the generic pass zeroes every Linear bias first; dt must survive it
+    model.backbone._init_weights(3)  # the generic pass zeroes every Linear bias first; dt must survive it
     mixers = [layer.mixer for layer in model.backbone.layers]
     ed, r = 128, mixers[0].cfg.dt_rank
     # Δ's log-uniform start (it must survive the pass above, which zeroes every Linear bias) and
@@ -706,7 +742,7 @@ def _write_transformers(folder, model):
     cfg = model.cfg
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["MambaForCausalLM"], "hidden_size": cfg.d_model,
+        "architectures": ["MambaForCausalLM"], "model_type": "mamba", "hidden_size": cfg.d_model,
         "num_hidden_layers": cfg.n_layer, "vocab_size": cfg.padded_vocab_size,
         "state_size": cfg.d_state, "expand": 2, "conv_kernel": 4, "time_step_rank": cfg.dt_rank,
         "use_bias": False, "use_conv_bias": True, "layer_norm_epsilon": 1e-5,
@@ -722,8 +758,8 @@ def test_official_and_transformers_layouts_load_strictly_with_identical_logits(t
     expected = model(ids)
     _write_official(tmp_path / "official", model)
     _write_transformers(tmp_path / "hf", model)
-    a = MambaLM.from_pretrained(str(tmp_path / "official"))
-    b = MambaLM.from_pretrained(str(tmp_path / "hf"))
+    a = pretrained.load(str(tmp_path / "official"))
+    b = pretrained.load(str(tmp_path / "hf"))
     for loaded in (a, b):
         assert loaded.lm_head.weight is loaded.backbone.embedding.weight
         torch.testing.assert_close(loaded(ids), expected, rtol=0, atol=0)
@@ -737,25 +773,25 @@ def test_bad_checkpoints_raise_errors_that_name_the_problem(tmp_path):
     bad_cfg.mkdir()
     (bad_cfg / "config.json").write_text(json.dumps({"d_model": 32, "vocab_size": 21}))
     with pytest.raises(ValueError, match=r"missing the fields \['n_layer'\]"):
-        MambaLM.from_pretrained(str(bad_cfg))
+        pretrained.load(str(bad_cfg))
     # missing and unexpected keys
     sd = torch.load(tmp_path / "ok" / "pytorch_model.bin")
     del sd["backbone.layers.1.mixer.D"]
     sd["backbone.layers.1.mixer.E"] = torch.zeros(3)
     torch.save(sd, tmp_path / "ok" / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"missing \['backbone.layers.1.mixer.D'\].*unexpected \['backbone.layers.1.mixer.E'\]"):
-        MambaLM.from_pretrained(str(tmp_path / "ok"))
+        pretrained.load(str(tmp_path / "ok"))
     # a shape that does not match the config
     (tmp_path / "ok" / "config.json").write_text(json.dumps({"d_model": 32, "n_layer": 2, "vocab_size": 40,
                                                             "ssm_cfg": {"d_state": 8}}))
     torch.save(model.state_dict(), tmp_path / "ok" / "pytorch_model.bin")
     with pytest.raises(ValueError, match=r"backbone.embedding.weight has shape \(24, 32\)"):
-        MambaLM.from_pretrained(str(tmp_path / "ok"))
+        pretrained.load(str(tmp_path / "ok"))
     # neither a folder nor a hub id we can fetch
     with pytest.raises((FileNotFoundError, OSError), match="config.json|not a folder|huggingface"):
-        MambaLM.from_pretrained(str(tmp_path / "nothing-here"))
+        pretrained.load(str(tmp_path / "nothing-here"))
     with pytest.raises(ValueError, match="Mamba-1 only"):
-        mm.config_from_dict({"d_model": 8, "n_layer": 1, "vocab_size": 5, "ssm_cfg": {"layer": "Mamba2"}})
+        pretrained.config_from_dict({"d_model": 8, "n_layer": 1, "vocab_size": 5, "ssm_cfg": {"layer": "Mamba2"}})
 
 
 @pytest.mark.parametrize(
@@ -773,17 +809,23 @@ def test_bad_token_ids_raise(ids, message):
         tiny_model()(ids)
 
 
-def test_bad_config_raises():
+def test_bad_config_and_accelerate_arguments_raise():
     with pytest.raises(ValueError, match="d_model must be a positive integer"):
         MambaConfig(d_model=0)
-    with pytest.raises(ValueError, match="scan_backend must be one of"):
-        MambaConfig(scan_backend="fast")
+    model = tiny_model()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        me.accelerate(model, backend="fast")
     with pytest.raises(ValueError, match="chunk_size must be a positive integer, got 0"):
-        MambaConfig(chunk_size=0)
-    with pytest.raises(ValueError, match="compile_scan must be one of"):
-        MambaConfig(compile_scan="always")
-    with pytest.raises(ValueError, match="'reference' runs sections 2 and 3 as written"):
-        MambaConfig(scan_backend="reference", compile_scan=True)
+        me.accelerate(model, chunk_size=0)
+    with pytest.raises(ValueError, match="compile must be one of"):
+        me.accelerate(model, compile="always")
+    with pytest.raises(ValueError, match="recompute must be True or False, got 'no'"):
+        me.accelerate(model, recompute="no")
+    with pytest.raises(ValueError, match="'reference' runs the lesson's code, compile runs the fused path"):
+        me.accelerate(model, backend="reference", compile=True)
+    with pytest.raises(ValueError, match="accelerate runs Mamba-1's mixers"):
+        me.accelerate(torch.nn.Linear(2, 2))
+    assert "scan_fn" not in vars(model.backbone.layers[0].mixer)  # a refused call changed nothing
     for eps in (0, -1, float("nan"), "1e-5"):
         with pytest.raises(ValueError, match="norm_epsilon must be a positive number"):
             MambaConfig(norm_epsilon=eps)
@@ -802,27 +844,27 @@ def test_compiled_chunked_scan_matches_float64_reference():
             assert_matches_reference(L, tol=1e-9, compile=True, chunk_size=4, recompute=recompute)
     with torch.no_grad():  # forward only: compile="loop" compiles the loop over chunks too
         for L in (10, 3):  # 3 chunks, then 1 (a size of 1 is a graph of its own)
-            y, h = mm.selective_scan(*scan_inputs(l=L), compile="loop", chunk_size=4, return_last_state=True)
+            y, h = me.selective_scan(*scan_inputs(l=L), compile="loop", chunk_size=4, return_last_state=True)
             y_ref, h_ref = reference_selective_scan(*scan_inputs(l=L))
             torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(h, h_ref, rtol=1e-9, atol=1e-9)
             assert _owns_exactly_its_bytes(h)
     if TORCH_VERSION >= (2, 7):  # older torch cannot compile the scan operator and loops in Python
-        assert mm._compiled_loop_works
+        assert me._compiled_loop_works
     if hasattr(torch.compiler, "set_stance"):  # torch >= 2.6
         # a new length, so a new number of chunks, runs the code compiled above in both modes
         with torch.compiler.set_stance("fail_on_recompile"):
             with torch.no_grad():
-                y = mm.selective_scan(*scan_inputs(l=30), compile="loop", chunk_size=4)
+                y = me.selective_scan(*scan_inputs(l=30), compile="loop", chunk_size=4)
             torch.testing.assert_close(y, reference_selective_scan(*scan_inputs(l=30))[0], rtol=1e-9, atol=1e-9)
             assert_matches_reference(21, tol=1e-9, compile=True, chunk_size=4, recompute=True)
         # in the model, a padded length and an unpadded one (B, C, z then strided slices) share
         # one graph too
-        model = tiny_model(chunk_size=4).eval()
+        model = me.accelerate(tiny_model(), chunk_size=4).eval()
         ids = torch.randint(0, 21, (2, 19), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             expected = [model(ids), model(ids[:, :16])]
-            model.cfg.compile_scan = "loop"
+            me.accelerate(model, compile="loop", chunk_size=4)
             got = [model(ids)]
             with torch.compiler.set_stance("fail_on_recompile"):
                 got.append(model(ids[:, :16]))
@@ -847,7 +889,7 @@ def test_compiled_training_then_evaluation_then_a_smaller_batch_compile_nothing_
         model.to(device)
         eager.to(device)
         with torch.autocast(device, dtype=torch.bfloat16), warnings.catch_warnings():
-            warnings.simplefilter("error", mm.CompileFallbackWarning)  # the compiler works: no fallback
+            warnings.simplefilter("error", me.CompileFallbackWarning)  # the compiler works: no fallback
             got = training_gradients(model, ids)
             graphs = counters["stats"]["unique_graphs"]
             training_gradients(model, ids)
@@ -875,6 +917,7 @@ def test_a_training_step_under_bf16_autocast_is_close_to_float64(device):
     ids = torch.randint(0, 21, (4, 33), generator=torch.Generator().manual_seed(5))
     small = dict(d_model=32, n_layer=2, vocab_size=21)
     makers = {"mamba": lambda: MambaLM(MambaConfig(**small, d_state=8)),
+              "mamba, accelerated": lambda: me.accelerate(MambaLM(MambaConfig(**small, d_state=8))),
               "mamba2": lambda: m2.Mamba2LM(m2.Mamba2Config(**small, d_state=8, headdim=16, chunk_size=16)),
               "mamba3": lambda: m3.Mamba3LM(m3.Mamba3Config(**small, d_state=8, headdim=16, chunk_size=16)),
               "gpt": lambda: TinyGPT(GPTConfig(d_model=32, n_layer=2, n_head=4, vocab_size=21, block_size=32))}
@@ -906,12 +949,12 @@ def test_a_training_step_under_bf16_autocast_is_close_to_float64(device):
 def test_cuda_matches_the_float64_cpu_reference(backend):
     inputs = scan_inputs(l=37, dtype=torch.float32)
     y_ref, h_ref = reference_selective_scan(*inputs)
-    y, h = mm.selective_scan(*[t.cuda() for t in inputs], backend=backend, return_last_state=True)
+    y, h = me.selective_scan(*[t.cuda() for t in inputs], backend=backend, return_last_state=True)
     torch.testing.assert_close(y.double().cpu(), y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h.double().cpu(), h_ref, rtol=1e-4, atol=1e-4)
     model = tiny_model().eval()
     ids = torch.randint(0, 21, (2, 19), generator=torch.Generator().manual_seed(8))
-    model.cfg.scan_backend = backend
+    me.accelerate(model, backend=backend)
     expected = model.double()(ids)
     got = model.float().cuda()(ids.cuda())
     torch.testing.assert_close(got.double().cpu(), expected, rtol=1e-4, atol=1e-4)
@@ -925,7 +968,7 @@ def test_cuda_compiled_paths_match_the_float64_cpu_reference():
     for compile, recompute in ((True, True), (True, False), ("loop", False)):
         cuda_inputs = [t.cuda().requires_grad_(compile is True) for t in inputs]
         with torch.set_grad_enabled(compile is True):
-            y, h = mm.selective_scan(*cuda_inputs, compile=compile, recompute=recompute, return_last_state=True)
+            y, h = me.selective_scan(*cuda_inputs, compile=compile, recompute=recompute, return_last_state=True)
         torch.testing.assert_close(y.detach().double().cpu(), y_ref, rtol=1e-4, atol=1e-4, msg=str(compile))
         torch.testing.assert_close(h.detach().double().cpu(), h_ref, rtol=1e-4, atol=1e-4, msg=str(compile))
         if compile is True:  # gradients against float64 autograd through the reference
@@ -937,7 +980,7 @@ def test_cuda_compiled_paths_match_the_float64_cpu_reference():
             for g, w in zip(got, want):
                 torch.testing.assert_close(g.double().cpu(), w.double(), rtol=1e-3, atol=1e-3)
     if TORCH_VERSION >= (2, 7):  # compile="loop" compiled its loop, and did not fall back to per-chunk calls
-        assert mm._compiled_loop_works, "compile='loop' fell back to one compiled call per chunk on CUDA"
+        assert me._compiled_loop_works, "compile='loop' fell back to one compiled call per chunk on CUDA"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -948,14 +991,14 @@ def _owns_exactly_its_bytes(t):
     return t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-@pytest.mark.parametrize("backend", EAGER_BACKENDS)
+@pytest.mark.parametrize("backend", ["reference"] + EAGER_BACKENDS)
 def test_final_state_and_cache_own_exactly_their_bytes(backend):
     # a view h[:, -1] of the (B, L, ED, N) states would keep every state of the prompt alive
     x, delta, A, B, C, D, z, h0 = scan_inputs(l=40)
-    _, h_last = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend=backend, return_last_state=True)
+    _, h_last = me.selective_scan(x, delta, A, B, C, D, z, h0, backend=backend, return_last_state=True)
     assert _owns_exactly_its_bytes(h_last), backend
     for prompt_len in (2, 40):  # shorter and longer than d_conv
-        model = tiny_model(scan_backend=backend).eval()
+        model = me.accelerate(tiny_model(), backend=backend).eval()
         ids = torch.randint(0, 21, (2, prompt_len), generator=torch.Generator().manual_seed(0))
         _, cache = model.prefill(ids)
         for conv_state, ssm_state in cache:
@@ -1058,17 +1101,17 @@ def test_forward_reads_an_expanded_cache_a_prompt_shared_by_a_batch():
             torch.testing.assert_close(got[row], whole[0, 5:], rtol=0, atol=1e-12)
 
 
-def test_from_pretrained_in_bf16_keeps_A_log_and_D_fp32_and_adds_the_dt_bias_in_fp32(tmp_path):
+def test_loading_in_bf16_keeps_A_log_and_D_fp32_and_adds_the_dt_bias_in_fp32(tmp_path):
     model = tiny_model(seed=3)
     _write_official(tmp_path / "ckpt", model)
-    half = MambaLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.bfloat16)
+    half = pretrained.load(str(tmp_path / "ckpt"), dtype=torch.bfloat16)
     for name, p in half.named_parameters():
         if name.endswith(("A_log", "mixer.D")):  # fp32 and bit-equal to the checkpoint's values
             assert p.dtype == torch.float32 and torch.equal(p, model.state_dict()[name]), name
         else:
             assert p.dtype == torch.bfloat16, name
     assert all(p.dtype == torch.float64 for p in
-               MambaLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float64).parameters())
+               pretrained.load(str(tmp_path / "ckpt"), dtype=torch.float64).parameters())
     # Δ = softplus(W·dt + bias). The bias lies near -2..-7 and bf16 keeps 8 significant bits, so a
     # bias added in bf16 moves Δ's argument by up to 2^-8·7 ≈ 0.03. Added in fp32 (the official
     # kernel's delta_bias), only the bf16 product W·dt is rounded: an error of at most about
@@ -1091,29 +1134,29 @@ def test_transformers_layout_keeps_its_vocabulary_unpadded(tmp_path):
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     cfg["pad_vocab_size_multiple"] = 8  # left over from a conversion: transformers ignores it
     (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
-    loaded = MambaLM.from_pretrained(str(tmp_path / "hf"))
+    loaded = pretrained.load(str(tmp_path / "hf"))
     assert loaded.backbone.embedding.weight.shape == (100, 32)
     ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
     # the official layout keeps padding to pad_vocab_size_multiple
     official = tiny_model(seed=2, vocab_size=100)
     _write_official(tmp_path / "official", official)
-    assert MambaLM.from_pretrained(str(tmp_path / "official")).backbone.embedding.weight.shape == (104, 32)
+    assert pretrained.load(str(tmp_path / "official")).backbone.embedding.weight.shape == (104, 32)
 
 
 def test_config_reads_dt_init_use_fast_path_and_d_intermediate():
     official = {"d_model": 32, "n_layer": 1, "vocab_size": 21,
                 "ssm_cfg": {"d_state": 8, "dt_init": "constant", "use_fast_path": False}}
-    cfg = mm.config_from_dict(official)
+    cfg = pretrained.config_from_dict(official)
     assert cfg.dt_init == "constant"
     torch.manual_seed(0)
     weight = MambaLM(cfg).backbone.layers[0].mixer.dt_proj.weight  # the official "constant" init
     assert torch.equal(weight, torch.full_like(weight, cfg.dt_rank ** -0.5))
-    assert mm.config_from_dict(dict(official, ssm_cfg={"dt_init": "random"})).dt_init == "random"
-    assert mm.config_from_dict(dict(official, d_intermediate=128)).d_intermediate == 128  # test_hybrid.py
+    assert pretrained.config_from_dict(dict(official, ssm_cfg={"dt_init": "random"})).dt_init == "random"
+    assert pretrained.config_from_dict(dict(official, d_intermediate=128)).d_intermediate == 128  # test_hybrid.py
     with pytest.raises(ValueError, match="d_intermediate must be an integer >= 0"):
-        mm.config_from_dict(dict(official, d_intermediate=-128))
-    assert mm.config_from_dict(dict(official, d_intermediate=0)).d_model == 32
+        pretrained.config_from_dict(dict(official, d_intermediate=-128))
+    assert pretrained.config_from_dict(dict(official, d_intermediate=0)).d_model == 32
     with pytest.raises(ValueError, match="dt_init must be 'random' or 'constant'"):
         MambaConfig(dt_init="normal")
 
@@ -1122,8 +1165,9 @@ def test_generate_reads_the_token_values_once_not_per_token(monkeypatch):
     # reading min/max of the ids waits for a GPU: once for the prompt, never per generated token
     model = tiny_model().eval()
     reads = []
-    check = mm._check_token_range
-    monkeypatch.setattr(mm, "_check_token_range", lambda ids, v: reads.append(ids.shape) or check(ids, v))
+    check = mm._check_ids
+    monkeypatch.setattr(mm, "_check_ids", lambda ids, rank, v, read: (read and reads.append(ids.shape)) or
+                        check(ids, rank, v, read))
     prompt = torch.randint(0, 21, (2, 5), generator=torch.Generator().manual_seed(0))
     out = model.generate(prompt, max_new_tokens=6, top_k=1)
     assert reads == [(2, 5)]
@@ -1137,8 +1181,9 @@ def test_a_training_forward_off_the_cpu_reads_no_token_values(monkeypatch):
     # on a GPU, reading min/max of the ids in every forward waits for the device once per step;
     # the meta device stands in for it (its tensors have no values: a read would raise)
     reads = []
-    check = mm._check_token_range
-    monkeypatch.setattr(mm, "_check_token_range", lambda ids, v: reads.append(ids.device.type) or check(ids, v))
+    check = mm._check_ids
+    monkeypatch.setattr(mm, "_check_ids", lambda ids, rank, v, read: (read and reads.append(ids.device.type)) or
+                        check(ids, rank, v, read))
     with torch.device("meta"):
         model = tiny_model()
         ids = torch.zeros(2, 5, dtype=torch.long)
@@ -1156,19 +1201,19 @@ def test_more_bad_checkpoints_raise_errors_that_name_the_problem(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     for missing in (str(tmp_path / "typo"), "./typo", "../typo", "~/typo-mamba", "runs/typo/ckpt"):
         with pytest.raises(FileNotFoundError, match="does not exist"):
-            MambaLM.from_pretrained(missing)
+            pretrained.load(missing)
     # config.json that is not an object, or not JSON
     _write_official(tmp_path / "ok", model)
     for text, message in (("[1, 2]", "JSON object.*got a list"), ("{'d_model': 32", "not valid JSON")):
         (tmp_path / "ok" / "config.json").write_text(text)
         with pytest.raises(ValueError, match=message):
-            MambaLM.from_pretrained(str(tmp_path / "ok"))
+            pretrained.load(str(tmp_path / "ok"))
     # a truncated download
     _write_official(tmp_path / "cut", model)
     data = (tmp_path / "cut" / "pytorch_model.bin").read_bytes()
     (tmp_path / "cut" / "pytorch_model.bin").write_bytes(data[:len(data) // 2])
     with pytest.raises(ValueError, match="pytorch_model.bin could not be read.*truncated"):
-        MambaLM.from_pretrained(str(tmp_path / "cut"))
+        pretrained.load(str(tmp_path / "cut"))
 
 
 def test_weights_files_that_are_not_state_dicts_raise_errors_that_name_the_problem(tmp_path):
@@ -1182,14 +1227,14 @@ def test_weights_files_that_are_not_state_dicts_raise_errors_that_name_the_probl
         _write_official(tmp_path / name, model)
         torch.save(content, tmp_path / name / "pytorch_model.bin")
         with pytest.raises(ValueError, match=message):
-            MambaLM.from_pretrained(str(tmp_path / name))
+            pretrained.load(str(tmp_path / name))
     with pytest.raises(ValueError, match="needs a folder or a hub id .* got NoneType"):
-        MambaLM.from_pretrained(None)
+        pretrained.load(None)
     config = json.loads((tmp_path / "list" / "config.json").read_text())
     for ssm_cfg in (["d_state", 8], "d_state=8"):
         (tmp_path / "list" / "config.json").write_text(json.dumps(dict(config, ssm_cfg=ssm_cfg)))
         with pytest.raises(ValueError, match="ssm_cfg must be an object of fields"):
-            MambaLM.from_pretrained(str(tmp_path / "list"))
+            pretrained.load(str(tmp_path / "list"))
     if importlib.util.find_spec("safetensors") is not None:
         from safetensors.torch import save_file
         _write_official(tmp_path / "cut_st", model)
@@ -1199,7 +1244,7 @@ def test_weights_files_that_are_not_state_dicts_raise_errors_that_name_the_probl
         data = (tmp_path / "cut_st" / "model.safetensors").read_bytes()
         (tmp_path / "cut_st" / "model.safetensors").write_bytes(data[:len(data) // 2])
         with pytest.raises(ValueError, match="model.safetensors could not be read.*truncated"):
-            MambaLM.from_pretrained(str(tmp_path / "cut_st"))
+            pretrained.load(str(tmp_path / "cut_st"))
 
 
 def _shard(folder, model, fmt, save):
@@ -1227,7 +1272,7 @@ def test_a_sharded_checkpoint_loads_with_identical_logits(tmp_path, fmt):
     _write_official(tmp_path / "sharded", model)
     (tmp_path / "sharded" / "pytorch_model.bin").unlink()
     _shard(tmp_path / "sharded", model, fmt, save)
-    loaded = MambaLM.from_pretrained(str(tmp_path / "sharded"))
+    loaded = pretrained.load(str(tmp_path / "sharded"))
     torch.testing.assert_close(loaded(ids), expected, rtol=0, atol=0)
 
 
@@ -1239,16 +1284,16 @@ def test_with_both_formats_the_readable_one_loads_whole_or_sharded(tmp_path, mon
     st_model, bin_model = tiny_model(seed=5).eval(), tiny_model(seed=6).eval()
     _write_official(tmp_path / "a", bin_model)  # a whole pytorch_model.bin ...
     _shard(tmp_path / "a", st_model, "safetensors", save_file)  # ... and safetensors shards
-    torch.testing.assert_close(MambaLM.from_pretrained(str(tmp_path / "a"))(ids), st_model(ids), rtol=0, atol=0)
+    torch.testing.assert_close(pretrained.load(str(tmp_path / "a"))(ids), st_model(ids), rtol=0, atol=0)
     _write_official(tmp_path / "b", bin_model)  # a whole model.safetensors and .bin shards
     (tmp_path / "b" / "pytorch_model.bin").unlink()
     _shard(tmp_path / "b", bin_model, "bin", torch.save)
     save_file({k: v for k, v in st_model.state_dict().items() if k != "lm_head.weight"},
               str(tmp_path / "b" / "model.safetensors"))
-    torch.testing.assert_close(MambaLM.from_pretrained(str(tmp_path / "b"))(ids), st_model(ids), rtol=0, atol=0)
-    monkeypatch.setattr(mm, "_safetensors_installed", lambda: False)
+    torch.testing.assert_close(pretrained.load(str(tmp_path / "b"))(ids), st_model(ids), rtol=0, atol=0)
+    monkeypatch.setattr(pretrained, "_safetensors_installed", lambda: False)
     for folder in ("a", "b"):
-        torch.testing.assert_close(MambaLM.from_pretrained(str(tmp_path / folder))(ids), bin_model(ids),
+        torch.testing.assert_close(pretrained.load(str(tmp_path / folder))(ids), bin_model(ids),
                                    rtol=0, atol=0)
 
 
@@ -1257,17 +1302,17 @@ def test_the_head_is_tied_only_when_the_config_says_so(tmp_path):
     model = tiny_model(tie_embeddings=False)
     _write_official(tmp_path / "tied", model)  # its config.json leaves tie_embeddings at true
     with pytest.raises(ValueError, match="lm_head.weight differs from backbone.embedding.weight"):
-        MambaLM.from_pretrained(str(tmp_path / "tied"))
+        pretrained.load(str(tmp_path / "tied"))
     # an untied config and a file without lm_head.weight: a missing key, not a silent tie
     _write_transformers(tmp_path / "untied", tiny_model())  # stores no lm_head.weight
     cfg = json.loads((tmp_path / "untied" / "config.json").read_text())
     (tmp_path / "untied" / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
-        MambaLM.from_pretrained(str(tmp_path / "untied"))
+        pretrained.load(str(tmp_path / "untied"))
     # an untied checkpoint loads untied, with its own head
     (tmp_path / "tied" / "config.json").write_text(json.dumps(
         dict(json.loads((tmp_path / "tied" / "config.json").read_text()), tie_embeddings=False)))
-    loaded = MambaLM.from_pretrained(str(tmp_path / "tied"))
+    loaded = pretrained.load(str(tmp_path / "tied"))
     assert loaded.lm_head.weight is not loaded.backbone.embedding.weight
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
 
@@ -1289,11 +1334,18 @@ def test_bad_sampling_arguments_raise_before_any_work(kwargs, message):
         mm.sample_next(torch.zeros(1, 5), **kwargs)
 
 
-def test_generate_refuses_a_compile_flag_that_is_not_a_bool():
-    model = tiny_model().eval()
-    model.prefill = None  # before any work
-    with pytest.raises(ValueError, match="compile must be True or False, got 'no'"):  # "no" would count as true
-        model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, compile="no")
+def test_compile_decode_makes_generate_call_the_compiled_step_once_per_new_token(monkeypatch):
+    # torch.compile stood in for by a wrapper that counts its calls: compile_decode returns the model,
+    # whose generate then takes every token after the first from the compiled step, with the tokens
+    # of the eager step
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: lambda *a: calls.append(1) or fn(*a))
+    eager = tiny_model().eval()
+    model = copy.deepcopy(eager)
+    assert me.compile_decode(model) is model
+    prompt = torch.randint(0, 21, (2, 5), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, max_new_tokens=6, top_k=1)
+    assert len(calls) == 5 and torch.equal(out, eager.generate(prompt, max_new_tokens=6, top_k=1))
 
 
 @pytest.mark.parametrize("backend", EAGER_BACKENDS + ["auto"])
@@ -1302,11 +1354,11 @@ def test_selective_scan_refuses_mixed_float64_and_float32(backend):
         args = scan_inputs()
         args[i] = args[i].float()
         with pytest.raises(ValueError, match="all float64 or all at most float32"):
-            mm.selective_scan(*args, backend=backend)
+            me.selective_scan(*args, backend=backend)
     args = scan_inputs()
     args[1] = args[1].long()
     with pytest.raises(ValueError, match="delta must be a floating-point tensor"):
-        mm.selective_scan(*args, backend=backend)
+        me.selective_scan(*args, backend=backend)
 
 
 def test_top_k_keeps_exactly_k_tokens():
@@ -1330,7 +1382,7 @@ def test_second_derivatives_match_the_float64_reference():
     for kwargs in (dict(backend="fused", chunk_size=2, recompute=False), dict(backend="sequential"),
                    dict(backend="fused", chunk_size=2, recompute=True)):
         got = torch.autograd.functional.hessian(
-            lambda x, A: mm.selective_scan(x, delta, A, B, C, D, z, h0, **kwargs).pow(2).sum(), (x, A))
+            lambda x, A: me.selective_scan(x, delta, A, B, C, D, z, h0, **kwargs).pow(2).sum(), (x, A))
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=str(kwargs))
 
 
