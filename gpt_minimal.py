@@ -8,17 +8,16 @@ bias = False), the head tied to the token embedding, and nanoGPT's init (normal(
 scaled by 1/sqrt(2 * n_layer)). Dropout is left out: the Shakespeare runs it serves train with 0.
 
 It is used by `train_shakespeare.py --arch gpt` (the same data, windows and log as Mamba) and by
-bench.py's training tables (the "GPT (yardstick)" rows). At GPTConfig's defaults, nanoGPT's README
-CPU model (4 layers, width 128, 4 heads, context 64), it has 0.80M parameters with a 65-character
-vocabulary, not counting the position embedding, as nanoGPT reports it.
+the benchmarks' training tables (`python -m bench train`, the "GPT (yardstick)" rows); it imports
+torch only. At GPTConfig's defaults, nanoGPT's README CPU model (4 layers, width 128, 4 heads,
+context 64), it has 0.80M parameters with a 65-character vocabulary, not counting the position
+embedding, as nanoGPT reports it.
 """
 
 import math
 from dataclasses import dataclass
 
 import torch
-
-import mamba_minimal as mm
 
 
 @dataclass
@@ -32,7 +31,7 @@ class GPTConfig:
 
 class TinyGPT(torch.nn.Module):
     """A plain pre-norm GPT as nanoGPT's model.py builds it (no biases, tied head, its init), only as
-    a yardstick for Mamba: bench.py's training step, and `train_shakespeare.py --arch gpt` (on a CPU
+    a yardstick for Mamba: the benchmarks' training step, and `train_shakespeare.py --arch gpt` (on a CPU
     2 layers of width 192 with 6 heads, 0.91M parameters, the shape its 300 s sweep chose; GPTConfig's
     defaults are nanoGPT's README CPU model, 4 layers of width 128 with 4 heads, 0.80M)."""
 
@@ -78,9 +77,30 @@ class TinyGPT(torch.nn.Module):
     def generate_stream(self, input_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
         """Yield (B,) new token ids. No KV cache: every token re-reads the last block_size tokens,
         which is what attention costs without one (Mamba's step is O(1) instead)."""
+        if not (0 <= temperature < math.inf and (top_k is None or top_k >= 1) and (top_p is None or 0 < top_p <= 1)):
+            raise ValueError(f"expected temperature >= 0 (finite), top_k >= 1 or None and top_p in (0, 1] or None, "
+                             f"got {temperature!r}, {top_k!r}, {top_p!r}")
         ids = input_ids
         for _ in range(max_new_tokens):
             logits = self(ids[:, -self.cfg.block_size:])[:, -1]  # (B, vocab)
-            token = mm.sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
+            token = sample(logits, temperature, top_k, top_p, generator)  # (B,)
             yield token
             ids = torch.cat([ids, token[:, None]], dim=1)
+
+
+def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """logits (B, vocab) -> token ids (B,): greedy for temperature 0 or top_k 1, else drawn from the
+    softmax of logits / temperature, kept to the top_k tokens and to the smallest set whose
+    probabilities reach top_p (as mamba_minimal.sample_next, so that both models sample alike)."""
+    if temperature == 0 or top_k == 1:
+        return logits.argmax(-1)
+    logits = (logits.float() - logits.float().max(-1, keepdim=True).values) / temperature  # the largest at 0
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
