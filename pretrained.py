@@ -10,16 +10,30 @@ command that runs one with its tokenizer.
     python pretrained.py generate state-spaces/mamba3-siso-187m --prompt "Hello" --dtype bf16
     python pretrained.py score state-spaces/mamba2-130m --text essay.txt   # mean loss per token
 
-MODEL is a hub id (downloaded with huggingface_hub) or a folder holding config.json and the
-weights, in the official layout or in transformers' (-hf). config.json says which generation it
-is (ssm_cfg.layer, or transformers' model_type), and so which of MambaLM (HybridMambaLM with
-attention or MLP layers), Mamba2LM and Mamba3LM loads it. The model files know no checkpoint
-layout: this file maps every layout onto their module trees. The official checkpoints ship no tokenizer: Mamba-1 and Mamba-2 were trained on the Pile
-with GPT-NeoX's (EleutherAI/gpt-neox-20b, as the official benchmarks/benchmark_generation_mamba_simple.py
-loads it), the Mamba-3 checkpoints with Llama 3's (meta-llama/Llama-3.1-8B, a gated repository: accept
-its license on the hub and log in, or pass --tokenizer with a folder or another copy of it). A folder
-that holds a tokenizer (a transformers -hf checkpoint) uses its own. The tokenizer needs the
-transformers package; the model itself needs only torch.
+MODEL is a hub id (downloaded with huggingface_hub) or a folder holding config.json and the weights,
+in the official layout or in transformers' (-hf). config.json says which generation it is
+(ssm_cfg.layer, or transformers' model_type), and so which of MambaLM (HybridMambaLM with attention
+or MLP layers), Mamba2LM and Mamba3LM loads it. The model files know no checkpoint layout: this file
+maps every layout onto their module trees.
+
+A folder is data, never code: its config.json, index and weights must be regular files (a symbolic
+link to one, as in the hub's cache, is one), read with a size bound; weights are tensors only (no
+pickled objects), checked against config.json before any model is built, and built without memory
+for the parameters they replace. A folder that holds a tokenizer (a transformers -hf checkpoint) is
+read with that tokenizer, and transformers is told never to run code from it. The official
+checkpoints ship no tokenizer: Mamba-1 and Mamba-2 were trained on the Pile with GPT-NeoX's
+(EleutherAI/gpt-neox-20b, as the official benchmarks/benchmark_generation_mamba_simple.py loads it),
+the Mamba-3 checkpoints with Llama 3's (meta-llama/Llama-3.1-8B, a gated repository: accept its
+license on the hub and log in, or pass --tokenizer with a folder or another copy of it). The
+tokenizer needs the transformers package; the model itself needs only torch.
+
+Sections:
+  1. Reading a folder: hub ids, regular files, the weights files (whole or sharded)
+  2. config.json -> a config, for each generation and the hybrids
+  3. The weights into a model: sizes checked first, no memory for what they replace
+  4. load and save, any generation
+  5. Which A a Mamba-3 checkpoint needs
+  6. The command: generate and score
 """
 
 import argparse
@@ -28,13 +42,15 @@ import importlib.util
 import json
 import math
 import os
+import pickle
+import re
+import stat
 import sys
 import time
 import warnings
 from dataclasses import fields
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import mamba3_minimal as m3
@@ -45,190 +61,75 @@ from mamba_minimal import MambaConfig, MambaLM
 from mamba2_minimal import Mamba2Config, Mamba2LM
 from mamba3_minimal import A_ACTIVATIONS, Mamba3Config, Mamba3LM
 
-# The tokenizer each generation's official checkpoints were trained with (see the docstring).
-TOKENIZERS = {1: "EleutherAI/gpt-neox-20b", 2: "EleutherAI/gpt-neox-20b", 3: "meta-llama/Llama-3.1-8B"}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+def _first_line(err):
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
-def generation_of(config):
-    """config.json's dict -> 1, 2 or 3: the Mamba generation it describes."""
-    if "hidden_size" in config or "num_hidden_layers" in config:  # transformers' layout
-        kinds = {"mamba": 1, "mamba2": 2}
-        if config.get("model_type") not in kinds:
-            raise ValueError(f"config.json describes a transformers {config.get('model_type')!r} model; "
-                             f"this script runs model_type 'mamba' and 'mamba2'")
-        return kinds[config["model_type"]]
-    ssm_cfg = config.get("ssm_cfg") or {}
-    layer = ssm_cfg.get("layer", "Mamba1") if isinstance(ssm_cfg, dict) else None
-    if layer not in ("Mamba1", "Mamba2", "Mamba3"):
-        raise ValueError(f"config.json's ssm_cfg.layer must be Mamba1, Mamba2 or Mamba3, got {layer!r}")
-    return int(layer[-1])
 
 # ------------------------------------------------------------------------------------------------
-# 1. Reading a folder: config.json, the weights, hub ids
+# 1. Reading a folder: hub ids, regular files, the weights files (whole or sharded)
 # ------------------------------------------------------------------------------------------------
-# pad_vocab_size_multiple, ...; weights in pytorch_model.bin under our key names.
-# transformers (state-spaces/mamba-130m-hf ...): config.json with hidden_size, num_hidden_layers,
-# state_size, ...; weights under the same names except backbone.embeddings.*, often as
+# Two layouts. Official (state-spaces/mamba-130m ...): config.json with d_model, n_layer, vocab_size,
+# ssm_cfg, pad_vocab_size_multiple, ...; the weights in pytorch_model.bin under the model's own key
+# names. transformers (state-spaces/mamba-130m-hf ...): config.json with hidden_size,
+# num_hidden_layers, state_size, ...; the same key names except backbone.embeddings.*, often in
 # model.safetensors, which may leave out the tied lm_head.weight. Larger checkpoints come in shards
-# that an index.json lists. In order: config.json -> a config; the folder (or hub repository) ->
-# one dict of tensors; a model built without memory for its parameters -> those tensors assigned
-# to it; and save_pretrained, which writes the official layout back.
+# that an index.json lists. Every file is opened only once it is known to be a regular file: a FIFO
+# would wait forever, /dev/zero would be read until memory runs out.
 
-_HF_FIELDS = {  # transformers name -> MambaConfig name
-    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
-    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "time_step_rank": "dt_rank",
-    "use_conv_bias": "conv_bias", "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
-    "time_step_floor": "dt_init_floor", "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon",
-    "tie_word_embeddings": "tie_embeddings",
-    "residual_in_fp32": "residual_in_fp32", "time_step_init_scheme": "dt_init",
-}
-_OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor",
-                        "dt_scale", "conv_bias", "bias", "dt_init"}
+MAX_JSON_BYTES = 16 << 20  # config.json is a few KB; a large model's index.json a few hundred KB
 
 
-def config_from_dict(d, **overrides):
-    """A MambaConfig (HybridMambaConfig where the hybrid fields are set) from an official or a
-    transformers config.json dict."""
-    ours = {f.name for f in fields(HybridMambaConfig)}
-    to_mamba2 = "; load it with pretrained.load (Mamba2LM)"
-    if "hidden_size" in d or "num_hidden_layers" in d:
-        if d.get("model_type") == "mamba2" or "head_dim" in d or "num_heads" in d:
-            raise ValueError("config.json describes a Mamba-2 model (transformers' Mamba2ForCausalLM)" + to_mamba2)
-        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
-        kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
-        # transformers never pads the vocabulary (a config.json converted from the official one may
-        # still carry pad_vocab_size_multiple): its embedding has exactly vocab_size rows
-        kwargs["pad_vocab_size_multiple"] = 1
-    else:
-        required = ["d_model", "n_layer", "vocab_size"]
-        ssm_cfg = dict(_ssm_cfg(d))
-        layer = ssm_cfg.pop("layer", "Mamba1")
-        if layer != "Mamba1":
-            raise ValueError(f"MambaLM covers Mamba-1 only; config.json asks for {layer}"
-                             + (to_mamba2 if layer == "Mamba2" else ""))
-        ssm_cfg.pop("use_fast_path", None)  # the choice of the official CUDA path: nothing to do here
-        unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS
-        if unknown:
-            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
-        kwargs = official_lm_fields(d, ours)  # with hybrid.py's d_intermediate, attn_layer_idx, attn_cfg, rms_norm
-        kwargs.update(ssm_cfg)
-        if "tie_embeddings" not in d and "tie_word_embeddings" in d:
-            kwargs["tie_embeddings"] = d["tie_word_embeddings"]
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
-    if kwargs.get("dt_rank") is None:
-        kwargs["dt_rank"] = "auto"
-    kwargs.update(overrides)
-    if not _is_plain(kwargs):
-        return HybridMambaConfig(**kwargs)
-    return MambaConfig(**{k: v for k, v in kwargs.items() if k not in _HYBRID_FIELDS})
+def _check_regular(path, mode):
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a plain file")
+        raise ValueError(f"{path} is {kind}; a checkpoint's files must be regular files")
 
 
-_HYBRID_FIELDS = ("d_intermediate", "attn_layer_idx", "attn_cfg", "rms_norm")
-
-
-def _is_plain(kwargs):
-    """Whether config fields leave the hybrid fields at their defaults: no MLP, no attention, RMSNorm."""
-    return (kwargs.get("d_intermediate", 0) == 0 and not kwargs.get("attn_layer_idx")
-            and not kwargs.get("attn_cfg") and kwargs.get("rms_norm", True) is True)
-
-
-def official_lm_fields(d, ours):
-    """The fields of an official config.json that a config class has (ours: its field names), with
-    null attn_layer_idx and attn_cfg read as the official defaults (create_block does); fused_add_norm
-    and initializer_cfg, which choose kernels and an init, are left out."""
-    kwargs = {k: v for k, v in d.items() if k in ours}
-    for name in ("attn_layer_idx", "attn_cfg"):
-        if name in kwargs and kwargs[name] is None:
-            del kwargs[name]
-    return kwargs
-
-
-def _ssm_cfg(d):
-    ssm_cfg = {} if d.get("ssm_cfg") is None else d["ssm_cfg"]  # null: the official default
-    if not isinstance(ssm_cfg, dict):
-        raise ValueError(f"config.json's ssm_cfg must be an object of fields, got a {type(ssm_cfg).__name__}")
-    return ssm_cfg
-
-
-def _safetensors_installed():
-    return importlib.util.find_spec("safetensors") is not None
-
-
-def _weights_files(folder):
-    """The folder's weights files, in the order they are tried: safetensors first, whole or sharded
-    (as transformers does), unless the safetensors package is missing: then the .bin, whole or
-    sharded, is read where the folder has one."""
-    safetensors = ["model.safetensors", "model.safetensors.index.json"]
-    pickles = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
-    order = safetensors + pickles if _safetensors_installed() else pickles + safetensors
-    return [os.path.join(folder, name) for name in order]
-
-
-def _load_state_dict_file(folder):
-    """The folder's weights as one dict: model.safetensors, pytorch_model.bin, or the shards that a
-    model.safetensors.index.json or pytorch_model.bin.index.json lists (transformers'
-    save_pretrained splits models above its max_shard_size)."""
-    for path in _weights_files(folder):
-        if os.path.islink(path) and not os.path.exists(path):
-            raise FileNotFoundError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist "
-                                    f"(an interrupted download? download it again)")
-        if not os.path.exists(path):
-            continue
-        if not path.endswith(".index.json"):
-            return _read_weights(path)
-        with open(path) as f:
-            try:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-                raise ValueError(f"{path} must be JSON with a weight_map of tensor names to shard "
-                                 f"files ({type(err).__name__}: {err})") from None
-        state_dict = {}
-        for shard in shards:
-            # a name such as ../../x would open a file outside the checkpoint
-            if not isinstance(shard, str) or os.path.isabs(shard) or ".." in shard.replace("\\", "/").split("/"):
-                raise ValueError(f"{path} lists the shard {shard!r}: shards must be file names inside {folder}")
-            state_dict.update(_read_weights(os.path.join(folder, shard)))
-        return state_dict
-    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (nor a sharded index.json) in {folder}")
-
-
-def _read_weights(path):
-    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor. A .bin is
-    memory-mapped: its tensors are the file's pages, read from disk as they are used, so that
-    loading holds no second copy of the weights. safetensors 0.8 maps its files so too; their
-    tensors start where the file puts them, aligned to their element size, not to torch's 64, and CPU
-    kernels may round a last bit otherwise over such memory (the same values; a matmul in fp64
-    differed by 1e-16). A copy to aligned memory would hold the weights twice while loading."""
-    safetensors = path.endswith(".safetensors")
-    if safetensors:
-        try:
-            from safetensors.torch import load_file
-        except ImportError as err:
-            raise ImportError(f"{path} needs the safetensors package: pip install safetensors") from err
+def _regular_file(path):
+    """path's size in bytes, if it is a regular file or a symbolic link to one; else an error."""
     try:
-        if safetensors:
-            state_dict = load_file(path)
-        else:
-            try:
-                state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as err:  # the legacy (not zip) format cannot be memory-mapped
-                if "mmap" not in str(err):
-                    raise
-                state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated download, or not a plain tensor checkpoint
-        raise ValueError(f"{path} could not be read as a PyTorch state dict (truncated or not a "
-                         f"checkpoint?): {type(err).__name__}: {err}") from err
-    if not isinstance(state_dict, dict):
-        raise ValueError(f"{path} must hold a dict of tensor name -> tensor (a state dict), got a "
-                         f"{type(state_dict).__name__}")
-    wrong = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
-    if wrong:
-        raise ValueError(f"{path} must hold only tensors; not tensors: {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
-    return state_dict
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise FileNotFoundError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist "
+                                    f"(an interrupted download? download it again)") from None
+        raise
+    _check_regular(path, st.st_mode)
+    return st.st_size
+
+
+def _read_json(path, what):
+    """A JSON file of at most MAX_JSON_BYTES, as Python values. Opened without blocking and checked
+    through the open file, so that no FIFO or device can take its place in between."""
+    _regular_file(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(path, os.fstat(f.fileno()).st_mode)
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MB: not a checkpoint's {what}")
+    try:
+        return json.loads(data.decode("utf-8-sig"))  # -sig: a byte-order mark, as some editors write
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {data[err.start]:#04x} at {err.start})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests its JSON too deeply to be a checkpoint's {what}") from None
+
+
+def read_config_json(folder):
+    """The folder's config.json as a dict."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"no config.json in {folder}")
+    d = _read_json(path, "config.json")
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object of config fields, got a {type(d).__name__}")
+    return d
 
 
 def _looks_like_a_path(s):
@@ -238,15 +139,18 @@ def _looks_like_a_path(s):
 
 
 def _resolve_folder(path_or_id):
+    """A folder, or a hub id downloaded (or found in the hub's cache) -> the folder to read."""
     if not isinstance(path_or_id, (str, os.PathLike)):
         raise ValueError(f"load needs a folder or a hub id such as state-spaces/mamba-130m, "
                          f"got {type(path_or_id).__name__}")
     path_or_id = os.fspath(path_or_id)
+    if not isinstance(path_or_id, str) or "\0" in path_or_id:
+        raise ValueError(f"load needs a folder or a hub id as text, got {path_or_id!r}")
     if os.path.isdir(path_or_id):
         return path_or_id
-    if os.path.exists(path_or_id):
+    if os.path.lexists(path_or_id):
         raise ValueError(f"{path_or_id} is a file; pass the folder holding config.json and the weights")
-    if _looks_like_a_path(path_or_id):
+    if _looks_like_a_path(path_or_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path_or_id):
         raise FileNotFoundError(f"the folder {path_or_id} does not exist (pass a folder holding config.json "
                                 f"and the weights, or a hub id such as state-spaces/mamba-130m)")
     try:
@@ -261,7 +165,15 @@ def _resolve_folder(path_or_id):
         files = list_repo_files(path_or_id)
     except Exception:  # offline or unreachable: snapshot_download answers from the cache, or says why not
         files = None
-    return snapshot_download(path_or_id, allow_patterns=_download_patterns(files))
+    try:
+        return snapshot_download(path_or_id, allow_patterns=_download_patterns(files))
+    except Exception as err:  # not on the hub, gated, offline and not in the cache
+        raise FileNotFoundError(f"{path_or_id} is not a folder, and the hub gives no checkpoint under that id "
+                                f"({_first_line(err)})") from None
+
+
+def _safetensors_installed():
+    return importlib.util.find_spec("safetensors") is not None
 
 
 def _download_patterns(files):
@@ -279,16 +191,378 @@ def _download_patterns(files):
     return ["config.json"] + (safetensors if use_safetensors else pickles)
 
 
-def convert_state_dict(state_dict, model):
-    """Map either layout onto our key names, re-tie the head, and check the keys strictly."""
+def _weights_files(folder):
+    """The folder's weights files, in the order they are tried: safetensors first, whole or sharded
+    (as transformers does), unless the safetensors package is missing: then the .bin, whole or
+    sharded, is read where the folder has one."""
+    safetensors = ["model.safetensors", "model.safetensors.index.json"]
+    pickles = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
+    order = safetensors + pickles if _safetensors_installed() else pickles + safetensors
+    return [os.path.join(folder, name) for name in order]
+
+
+def _load_state_dict_file(folder):
+    """The folder's weights as one dict: model.safetensors, pytorch_model.bin, or the shards that a
+    model.safetensors.index.json or pytorch_model.bin.index.json lists (transformers'
+    save_pretrained splits models above its max_shard_size). A tensor in two shards is refused:
+    which copy is meant would depend on the order the shards are read in."""
+    for path in _weights_files(folder):
+        if not os.path.lexists(path):
+            continue
+        if not path.endswith(".index.json"):
+            return _read_weights(path)
+        index = _read_json(path, "index.json")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path} must be JSON with a weight_map of tensor names to shard files")
+        for shard in weight_map.values():  # a name such as ../../x would open a file outside the checkpoint
+            if not isinstance(shard, str) or not shard or os.path.isabs(shard) or \
+                    ".." in shard.replace("\\", "/").split("/"):
+                raise ValueError(f"{path} lists the shard {shard!r}: shards must be file names inside {folder}")
+        state_dict, shard_of = {}, {}
+        for shard in sorted(set(weight_map.values())):
+            part = _read_weights(os.path.join(folder, shard))
+            twice = sorted(part.keys() & state_dict.keys())
+            if twice:
+                raise ValueError(f"checkpoint tensor {twice[0]} is in both {shard_of[twice[0]]} and {shard}: a "
+                                 f"tensor must be given once")
+            state_dict.update(part)
+            shard_of.update(dict.fromkeys(part, shard))
+        return state_dict
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (nor a sharded index.json) in {folder}")
+
+
+def _read_weights(path):
+    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor. A .bin is
+    memory-mapped: its tensors are the file's pages, read from disk as they are used, so that
+    loading holds no second copy of the weights. safetensors 0.8 maps its files so too; their
+    tensors start where the file puts them, aligned to their element size, not to torch's 64, and CPU
+    kernels may round a last bit otherwise over such memory (the same values; a matmul in fp64
+    differed by 1e-16). A copy to aligned memory would hold the weights twice while loading.
+    A .bin is read with weights_only=True: a pickle that would build anything but tensors is refused."""
+    _regular_file(path)
+    safetensors = path.endswith(".safetensors")
+    if safetensors:
+        try:
+            from safetensors.torch import load_file
+        except ImportError as err:
+            raise ImportError(f"{path} needs the safetensors package: pip install safetensors") from err
+    try:
+        if safetensors:
+            state_dict = load_file(path)
+        else:
+            with warnings.catch_warnings():  # torch's note on the pickle protocol of a file it refuses anyway
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                try:
+                    state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as err:  # the legacy (not zip) format cannot be memory-mapped
+                    if "mmap" not in str(err):
+                        raise
+                    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f"it would call {refused.group(1)}" if refused else _first_line(err)
+        raise ValueError(f"{path} could not be read: a pickle of more than tensors ({what}) is refused; a "
+                         f"checkpoint from someone else must never be loaded with weights_only=False") from None
+    except Exception as err:  # a truncated download, or not a plain tensor checkpoint
+        raise ValueError(f"{path} could not be read as a PyTorch state dict (truncated or not a "
+                         f"checkpoint?): {_first_line(err)}") from None
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{path} must hold a dict of tensor name -> tensor (a state dict), got a "
+                         f"{type(state_dict).__name__}")
+    odd = [k for k in state_dict if not isinstance(k, str)]
+    if odd:
+        raise ValueError(f"{path} must name its tensors with strings, got the key {odd[0]!r}")
+    wrong = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
+    if wrong:
+        raise ValueError(f"{path} must hold only tensors; not tensors: {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
+    for name, t in state_dict.items():
+        if t.device.type == "meta" or t.layout != torch.strided:  # shapes without values, or a sparse tensor
+            raise ValueError(f"checkpoint tensor {name} in {path} is a {t.layout} tensor on {t.device.type}; "
+                             f"a checkpoint holds dense tensors with their values")
+    return state_dict
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. config.json -> a config, for each generation and the hybrids
+# ------------------------------------------------------------------------------------------------
+# The official config.json is MambaLMHeadModel's config (mamba_ssm/models/config_mamba.py): the
+# model's fields at the top (d_model, d_intermediate, n_layer, vocab_size, attn_layer_idx, attn_cfg,
+# rms_norm, residual_in_fp32, fused_add_norm, pad_vocab_size_multiple, tie_embeddings) and the
+# mixer's in ssm_cfg, whose "layer" names the generation. The hybrid fields (an MLP after each mixer,
+# attention in some layers, LayerNorm) are hybrid.py's, in every generation. transformers writes its
+# own names (hidden_size, num_hidden_layers, state_size ...) for Mamba-1 and Mamba-2, and never pads
+# the vocabulary: its embedding has exactly vocab_size rows.
+
+def _is_transformers(d):
+    return "hidden_size" in d or "num_hidden_layers" in d
+
+
+def generation_of(config):
+    """config.json's dict -> 1, 2 or 3: the Mamba generation it describes."""
+    if _is_transformers(config):
+        kinds = {"mamba": 1, "mamba2": 2}
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str) or model_type not in kinds:
+            raise ValueError(f"config.json describes a transformers {model_type!r} model; "
+                             f"this file loads model_type 'mamba' and 'mamba2'")
+        return kinds[model_type]
+    layer = _ssm_cfg(config).get("layer", "Mamba1")
+    if layer not in ("Mamba1", "Mamba2", "Mamba3"):
+        raise ValueError(f"config.json's ssm_cfg.layer must be Mamba1, Mamba2 or Mamba3, got {layer!r}")
+    return int(layer[-1])
+
+
+def _ssm_cfg(d):
+    ssm_cfg = {} if d.get("ssm_cfg") is None else d["ssm_cfg"]  # null: the official default
+    if not isinstance(ssm_cfg, dict):
+        raise ValueError(f"config.json's ssm_cfg must be an object of fields, got a {type(ssm_cfg).__name__}")
+    return dict(ssm_cfg)
+
+
+def _require(d, names):
+    missing = [k for k in names if k not in d]
+    if missing:
+        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
+
+
+def _check_activation(d):
+    """transformers' hidden_act: the activation after the conv and on the gate, SiLU in every official model."""
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
+
+
+def official_lm_fields(d, ours):
+    """The fields of an official config.json that a config class has (ours: its field names), with
+    null attn_layer_idx and attn_cfg read as the official defaults (create_block does); fused_add_norm
+    and initializer_cfg, which choose kernels and an init, are left out."""
+    kwargs = {k: v for k, v in d.items() if k in ours}
+    for name in ("attn_layer_idx", "attn_cfg"):
+        if name in kwargs and kwargs[name] is None:
+            del kwargs[name]
+    return kwargs
+
+
+# Mamba-1. transformers' MambaConfig name -> MambaConfig's
+_HF_FIELDS = {
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "time_step_rank": "dt_rank",
+    "use_conv_bias": "conv_bias", "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
+    "time_step_floor": "dt_init_floor", "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon",
+    "tie_word_embeddings": "tie_embeddings", "residual_in_fp32": "residual_in_fp32",
+    "time_step_init_scheme": "dt_init",
+}
+_OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor",
+                        "dt_scale", "conv_bias", "bias", "dt_init"}
+_HYBRID_FIELDS = ("d_intermediate", "attn_layer_idx", "attn_cfg", "rms_norm")
+
+
+def config_from_dict(d, **overrides):
+    """A MambaConfig (HybridMambaConfig where the hybrid fields are set) from an official or a
+    transformers config.json dict."""
+    to_mamba2 = "; load it with pretrained.load (Mamba2LM)"
+    if _is_transformers(d):
+        if d.get("model_type") == "mamba2" or "head_dim" in d or "num_heads" in d:
+            raise ValueError("config.json describes a Mamba-2 model (transformers' Mamba2ForCausalLM)" + to_mamba2)
+        _require(d, ["hidden_size", "num_hidden_layers", "vocab_size"])
+        _check_activation(d)
+        kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
+        kwargs["pad_vocab_size_multiple"] = 1  # even where a converted config.json still carries one
+    else:
+        ssm_cfg = _ssm_cfg(d)
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba1":
+            raise ValueError(f"MambaLM covers Mamba-1 only; config.json asks for {layer}"
+                             + (to_mamba2 if layer == "Mamba2" else ""))
+        ssm_cfg.pop("use_fast_path", None)  # the choice of the official CUDA path: nothing to do here
+        unknown = set(ssm_cfg) - _OFFICIAL_SSM_FIELDS
+        if unknown:
+            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+        _require(d, ["d_model", "n_layer", "vocab_size"])
+        kwargs = official_lm_fields(d, {f.name for f in fields(HybridMambaConfig)})
+        kwargs.update(ssm_cfg)
+        if "tie_embeddings" not in d and "tie_word_embeddings" in d:
+            kwargs["tie_embeddings"] = d["tie_word_embeddings"]
+    if kwargs.get("dt_rank") is None:
+        kwargs["dt_rank"] = "auto"
+    kwargs.update(overrides)
+    plain = (kwargs.get("d_intermediate", 0) == 0 and not kwargs.get("attn_layer_idx")
+             and not kwargs.get("attn_cfg") and kwargs.get("rms_norm", True) is True)
+    if plain:  # the hybrid fields at their defaults: the lesson's model
+        return MambaConfig(**{k: v for k, v in kwargs.items() if k not in _HYBRID_FIELDS})
+    return HybridMambaConfig(**kwargs)
+
+
+# Mamba-2. Official (state-spaces/mamba2-130m ...): ssm_cfg = {"layer": "Mamba2", d_state, headdim,
+# ngroups, chunk_size ...}, pad_vocab_size_multiple 16; the hybrid mamba2attn-2.7b sets attn_layer_idx
+# and attn_cfg. transformers' Mamba2ForCausalLM: num_heads, head_dim, n_groups, ..., and
+# tie_word_embeddings false unless it says otherwise.
+_MAMBA2_HF_FIELDS = {
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
+    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim",
+    "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_min": "dt_min",
+    "time_step_max": "dt_max", "time_step_floor": "dt_init_floor", "time_step_limit": "dt_limit",
+    "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
+    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
+}
+_MAMBA2_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
+                      "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
+# official Mamba2 options that only change how it runs or how it is initialized
+_MAMBA2_IGNORED = {"use_mem_eff_path", "conv_init", "layer_idx", "process_group", "sequence_parallel"}
+# official Mamba2 options supported only at their default value
+_MAMBA2_FIXED = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
+
+
+def _numbers(name, values):
+    """A JSON pair such as dt_limit as a tuple of numbers: transformers 5 writes inf to config.json as
+    {"__float__": "Infinity"}, json as Infinity."""
+    out = []
+    for v in values:
+        if isinstance(v, dict) and "__float__" in v:
+            try:
+                v = float(v["__float__"])
+            except (TypeError, ValueError):
+                raise ValueError(f"config.json's {name} must hold numbers, got {v!r}") from None
+        out.append(v)
+    return tuple(out)
+
+
+def mamba2_config_from_dict(d, **overrides):
+    """A Mamba2Config from an official or a transformers config.json dict."""
+    if _is_transformers(d):
+        if d.get("model_type") == "mamba2" and "head_dim" not in d:
+            raise ValueError(f"config.json is missing the field head_dim (found {sorted(d)})")
+        if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
+            raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
+                             f"Mamba-2 (pretrained.load reads any generation)")
+        _require(d, ["hidden_size", "num_hidden_layers", "vocab_size"])
+        kwargs = {_MAMBA2_HF_FIELDS[k]: v for k, v in d.items() if k in _MAMBA2_HF_FIELDS}
+        kwargs.setdefault("tie_embeddings", False)  # transformers' default
+        kwargs["pad_vocab_size_multiple"] = 1
+        if d.get("rms_norm") is False:
+            raise ValueError("rms_norm: false (no gated norm in the mixer) is not supported")
+        _check_activation(d)
+    else:
+        ssm_cfg = _ssm_cfg(d)
+        layer = ssm_cfg.pop("layer", "Mamba1")
+        if layer != "Mamba2":
+            raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
+                             f"only (pretrained.load reads any generation)")
+        for name, value in _MAMBA2_FIXED.items():
+            got = ssm_cfg.pop(name, value)
+            if got is not value:
+                raise ValueError(f"ssm_cfg.{name} = {got!r} is not supported (only {value})")
+        unknown = set(ssm_cfg) - _MAMBA2_SSM_FIELDS - _MAMBA2_IGNORED
+        if unknown:
+            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
+        _require(d, ["d_model", "n_layer", "vocab_size"])
+        kwargs = official_lm_fields(d, {f.name for f in fields(Mamba2Config)})  # with the hybrid fields
+        kwargs.update({k: v for k, v in ssm_cfg.items() if k in _MAMBA2_SSM_FIELDS})
+    for name in ("dt_limit", "A_init_range"):
+        if isinstance(kwargs.get(name), (list, tuple)):  # anything else is Mamba2Config's to refuse by name
+            kwargs[name] = _numbers(name, kwargs[name])
+    kwargs.update(overrides)
+    cfg = Mamba2Config(**kwargs)  # which checks each field's type and range
+    heads = d.get("num_heads") if _is_transformers(d) else None
+    if heads is not None and (not mm._is_positive_int(heads) or heads * cfg.headdim != cfg.d_inner):
+        raise ValueError(f"num_heads * head_dim = {heads!r} * {cfg.headdim} must equal expand * hidden_size = "
+                         f"{cfg.d_inner}")
+    return cfg
+
+
+# Mamba-3. The official layout only (MambaLMHeadModel.save_pretrained, mixer_seq_simple.py):
+# ssm_cfg = {"layer": "Mamba3", and any Mamba3 argument: d_state, headdim, rope_fraction, is_mimo,
+# mimo_rank ...}. The published checkpoints (state-spaces/mamba3-*) come in it, with a GatedMLP after
+# every mixer; which A they need is section 5's question.
+_MAMBA3_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
+                      "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
+# official Mamba3 arguments (official main, e9594ce) that change only how it runs:
+# fuse_pregate_headwise_norm moves MIMO's output norm and gate into the kernel (the same
+# arithmetic), dropout is unused, layer_idx and n_layer place the layer, device and dtype say
+# where and in what its parameters are made
+_MAMBA3_IGNORED = {"fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer", "device", "dtype"}
+# not an official argument: mamba3_minimal.py's choice of A (Mamba3Config.A_activation)
+_MAMBA3_OWN_FIELDS = {"A_activation"}
+
+
+def mamba3_config_from_dict(d, **overrides):
+    """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3").
+    ssm_cfg fields that the official Mamba3 does not take are dropped with a warning, as its **kwargs
+    drops them (at e9594ce)."""
+    ssm_cfg = d.get("ssm_cfg")
+    if not isinstance(ssm_cfg, dict):
+        raise ValueError(f"config.json must hold ssm_cfg = {{\"layer\": \"Mamba3\", ...}}, got "
+                         f"{type(ssm_cfg).__name__ if ssm_cfg is not None else 'none'}")
+    ssm_cfg = dict(ssm_cfg)
+    layer = ssm_cfg.pop("layer", "Mamba1")
+    if layer != "Mamba3":
+        raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
+                         f"(pretrained.load reads any generation)")
+    unknown = set(ssm_cfg) - _MAMBA3_SSM_FIELDS - _MAMBA3_IGNORED - _MAMBA3_OWN_FIELDS
+    if unknown:  # the official Mamba3 takes **kwargs and drops them: the same model, said out loud
+        warnings.warn(f"config.json's ssm_cfg fields {sorted(unknown)} are not Mamba3 arguments; ignored, as the "
+                      f"official Mamba3 module ignores them")
+    _require(d, ["d_model", "n_layer", "vocab_size"])
+    kwargs = official_lm_fields(d, {f.name for f in fields(Mamba3Config)})  # with the hybrid fields
+    kwargs.update({k: v for k, v in ssm_cfg.items() if k in _MAMBA3_SSM_FIELDS | _MAMBA3_OWN_FIELDS})
+    kwargs.update(overrides)
+    return Mamba3Config(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. The weights into a model: sizes checked first, no memory for what they replace
+# ------------------------------------------------------------------------------------------------
+# In order: the checkpoint's key names mapped onto the model's; the sizes the checkpoint fixes (its
+# layer count, its vocabulary and width) compared with the config's, so that a config.json asking
+# for 10**6 layers or a width of 10**9 is refused before anything is built; the model built on the
+# meta device (shapes without memory, inits that do nothing); every key and shape checked against
+# it; and the checkpoint's tensors themselves handed to it (load_state_dict with assign=True), each
+# converted to its final dtype and device on the way. So loading a bf16 checkpoint in bf16 holds one
+# copy of the weights, never an fp32 model beside it.
+
+_LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.")
+
+
+def _our_names(state_dict):
+    """The checkpoint's keys under the model's names: transformers' backbone.embeddings.* is
+    backbone.embedding.*. A tensor under both names is refused: either copy could be the one meant."""
     sd = {}
     for k, v in state_dict.items():
-        if k.startswith("backbone.embeddings."):
-            k = "backbone.embedding." + k[len("backbone.embeddings."):]
-        sd[k] = v
+        ours = "backbone.embedding." + k[len("backbone.embeddings."):] if k.startswith("backbone.embeddings.") else k
+        if ours in sd:
+            raise ValueError(f"checkpoint tensor {ours} is given twice (also as {k}): a tensor must be given once")
+        sd[ours] = v
+    return sd
+
+
+def _check_sizes(cfg, sd):
+    """The sizes a checkpoint fixes against the config's, before anything is built: the number of
+    layers (the keys backbone.layers.N.), and the vocabulary and the width (the embedding's shape)."""
+    layers = {int(m.group(1)) for m in map(_LAYER_KEY.match, sd) if m}
+    if len(layers) != cfg.n_layer or (layers and max(layers) != cfg.n_layer - 1):
+        shown = sorted(layers)[:4] + (["..."] if len(layers) > 4 else [])
+        raise ValueError(f"config.json's n_layer = {cfg.n_layer}, but the checkpoint holds {len(layers)} layers "
+                         f"(backbone.layers.N. with N in {shown})")
+    emb = sd.get("backbone.embedding.weight")
+    if emb is None or emb.dim() != 2:
+        return  # the key check below names it
+    rows, width = emb.shape
+    if width != cfg.d_model:
+        raise ValueError(f"checkpoint tensor backbone.embedding.weight has shape {tuple(emb.shape)}: a width "
+                         f"of {width}, and config.json's d_model = {cfg.d_model}")
+    if rows != cfg.padded_vocab_size:
+        raise ValueError(f"checkpoint tensor backbone.embedding.weight has shape {tuple(emb.shape)}: {rows} rows, "
+                         f"and config.json's vocab_size = {cfg.vocab_size} needs {cfg.padded_vocab_size} (padded "
+                         f"to a multiple of pad_vocab_size_multiple = {cfg.pad_vocab_size_multiple})")
+
+
+def convert_state_dict(state_dict, model):
+    """Map either layout onto the model's key names, re-tie the head, and check keys and shapes strictly."""
+    sd = _our_names(state_dict)
     if model.cfg.tie_embeddings and "backbone.embedding.weight" in sd:
         head = sd.setdefault("lm_head.weight", sd["backbone.embedding.weight"])
-        if head is not sd["backbone.embedding.weight"] and not torch.equal(head, sd["backbone.embedding.weight"]):
+        if head is not sd["backbone.embedding.weight"] and (
+                head.shape != sd["backbone.embedding.weight"].shape or not torch.equal(head, sd["backbone.embedding.weight"])):
             raise ValueError("the config ties the embeddings, but the checkpoint's lm_head.weight differs "
                              "from backbone.embedding.weight; set tie_embeddings (tie_word_embeddings) to "
                              "false to load an untied head")
@@ -306,97 +580,166 @@ def convert_state_dict(state_dict, model):
     return sd
 
 
-def read_config_json(folder):
-    """The folder's config.json as a dict."""
-    cfg_path = os.path.join(folder, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"no config.json in {folder}")
-    with open(cfg_path) as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{cfg_path} is not valid JSON: {err}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{cfg_path} must hold a JSON object of config fields, got a {type(d).__name__}")
-    return d
-
-
-# The model is built with its parameters on the meta device (shapes, no memory, inits that do
-# nothing) and then handed the checkpoint's tensors themselves (load_state_dict with assign=True),
-# each converted to its final dtype and device on the way. So loading a bf16 checkpoint in bf16
-# holds one copy of the weights, never an fp32 model beside it; nothing is initialized only to be
-# overwritten. Buffers (values computed at construction that no checkpoint holds) are built as usual.
-
 @contextlib.contextmanager
 def _parameters_on_meta():
     """Inside, every parameter a module registers is moved to the meta device, and buffers stay
-    real (accelerate's init_empty_weights(include_buffers=False) does the same)."""
-    register = nn.Module.register_parameter
+    real (accelerate's init_empty_weights(include_buffers=False) does the same). Each parameter is
+    made for real first: _build only uses it once the checkpoint has fixed every shape."""
+    register = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
         if param is not None and param.device.type != "meta":
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    nn.Module.register_parameter = register_on_meta
+    torch.nn.Module.register_parameter = register_on_meta
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        torch.nn.Module.register_parameter = register
+
+
+def _build(cls, cfg, where):
+    """cls(cfg) built in `where` (a device, or _parameters_on_meta()); sizes too large to make even
+    shapes of (2**70, or products past 2**63) are refused by name."""
+    try:
+        with where:
+            return cls(cfg)
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as err:
+        huge = [f"{f.name} = {getattr(cfg, f.name)}" for f in fields(cfg)
+                if isinstance(getattr(cfg, f.name), int) and getattr(cfg, f.name) >= 2 ** 31]
+        huge += [f"attn_cfg.{k} = {v}" for k, v in (getattr(cfg, "attn_cfg", None) or {}).items()
+                 if isinstance(v, int) and v >= 2 ** 31]
+        raise ValueError(f"config.json's sizes make tensors too large to build ({', '.join(huge) or _first_line(err)}); "
+                         f"they must match the checkpoint's") from None
 
 
 def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_log", "mixer.D")):
     """cls(cfg) with the folder's weights (strict keys, either layout), in `dtype` on `device`.
     dtype None: the dtypes the model is built with (fp32). Under fp16/bf16 the parameters named
     in keep_fp32 stay fp32, as the official modules create them whatever the dtype: rounding
-    A_log to bf16 would move every decay rate. Shared with mamba2_minimal.py and mamba3_minimal.py."""
-    with _parameters_on_meta():
-        model = cls(cfg)
-    state_dict = convert_state_dict(_load_state_dict_file(folder), model)
+    A_log to bf16 would move every decay rate. The weights must be floating-point and finite in the
+    dtype they are converted to (fp16 overflows past 65504)."""
+    sd = _our_names(_load_state_dict_file(folder))
+    _check_sizes(cfg, sd)
+    model = _build(cls, cfg, torch.device("meta"))
+    if any(True for _ in model.buffers()):  # values computed at construction, which no checkpoint holds
+        convert_state_dict(sd, model)  # every shape now fixed by the checkpoint: then build them for real
+        model = _build(cls, cfg, _parameters_on_meta())
+    sd = convert_state_dict(sd, model)
     built = model.state_dict()
     converted = {}  # id -> tensor: the tied head and embedding stay one tensor
-    for name, t in state_dict.items():
+    for name, t in sd.items():
+        if not t.is_floating_point():  # an integer would be cast without a word, a complex lose half of it
+            raise ValueError(f"checkpoint tensor {name} is {t.dtype}; the model's weights are floating-point")
         want = built[name].dtype if dtype is None else dtype
         if name.endswith(keep_fp32) and dtype in (torch.float16, torch.bfloat16):
             want = torch.float32
         if id(t) not in converted:
             converted[id(t)] = t.to(device=device, dtype=want)  # no copy when nothing changes
-        state_dict[name] = converted[id(t)]
-    model.load_state_dict(state_dict, strict=True, assign=True)
+            if not _all_finite(converted[id(t)]):
+                raise ValueError(f"checkpoint tensor {name} holds NaN or infinite values in {want} (a damaged "
+                                 f"file, or values beyond the dtype's range)")
+        sd[name] = converted[id(t)]
+    model.load_state_dict(sd, strict=True, assign=True)
     if cfg.tie_embeddings:  # assign gave the head a Parameter of its own, over the same tensor
         model.lm_head.weight = model.backbone.embedding.weight
     return model.to(device=device).eval()  # the buffers
 
 
-# Saving: config.json in the official layout (MambaLMHeadModel's config: the model's fields at the
-# top, the mixer's in ssm_cfg with its "layer"), and the weights under the official names, as
-# model.safetensors (the tied head stored once, as transformers does) or, without the safetensors
-# package, pytorch_model.bin (both keys, one storage, as the official save_pretrained writes).
-# Each file is written beside its final name and then renamed over it, so that an interrupted save
-# leaves the old file or the new one, never half of one; config.json is written first and takes its
-# name last, and weights in the other format are set aside (renamed) once the new ones are whole, put
-# back if the new file cannot take its name, and removed at the end.
+def _all_finite(t, piece=1 << 24):
+    """torch.isfinite(t).all(), a piece at a time: no bool tensor the size of a whole embedding."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + piece]).all()) for i in range(0, flat.numel(), piece))
 
-# fields of the official MambaConfig (config_mamba.py); the rest of ours are the mixer's or runtime options
+
+# ------------------------------------------------------------------------------------------------
+# 4. load and save, any generation
+# ------------------------------------------------------------------------------------------------
+
+CONFIGS = {1: config_from_dict, 2: mamba2_config_from_dict, 3: mamba3_config_from_dict}
+GENERATION_OF_CLASS = {MambaLM: 1, HybridMambaLM: 1, Mamba2LM: 2, Mamba3LM: 3}
+
+
+def checked_device(device):
+    """device (None, a name or a torch.device) as a torch.device that torch has, or a ValueError."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device} is not a device name; expected cpu, cuda, cuda:N or mps") from None
+    available = {"cpu": 1, "cuda": torch.cuda.device_count(),
+                 "mps": int(getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available())}
+    if device.type != "cpu" and (device.index or 0) >= available.get(device.type, 0):
+        raise ValueError(f"device {device}: torch finds {available.get(device.type, 0)} {device.type} device(s)")
+    return device
+
+
+def _check_load_arguments(cfg_cls, dtype, overrides):
+    """load's dtype and config overrides, before any weights are read."""
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
+                         f"got {dtype!r}")
+    known = [f.name for f in fields(cfg_cls)]
+    known += [name for name in _HYBRID_FIELDS if name not in known]
+    unknown = sorted(set(overrides) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {cfg_cls.__name__} fields {unknown}; the fields are {known}")
+
+
+def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
+    """A checkpoint folder or hub id, of any generation and layout, as a model in eval mode.
+
+    Args:
+        path_or_id: a folder with config.json and the weights, or a hub id (state-spaces/mamba-130m)
+        device, dtype: where and in what the weights go (None: cpu, the dtypes the model is built
+                       with); under fp16/bf16 A_log, D and the like stay fp32, as in the official code
+        cls: None (config.json's generation decides), or MambaLM, Mamba2LM, Mamba3LM to insist on one
+        overrides: config fields to change (e.g. Mamba3Config's A_activation)
+    """
+    if cls is not None and not any(cls is known for known in GENERATION_OF_CLASS):
+        raise ValueError(f"cls must be None, MambaLM, Mamba2LM or Mamba3LM, got {cls!r}")
+    device = checked_device(device)
+    folder = _resolve_folder(path_or_id)
+    d = read_config_json(folder)
+    generation = generation_of(d)
+    if cls is not None and GENERATION_OF_CLASS[cls] != generation:
+        raise ValueError(f"config.json describes a Mamba-{generation} model; {cls.__name__} "
+                         f"loads Mamba-{GENERATION_OF_CLASS[cls]} (cls=None loads any generation)")
+    _check_load_arguments({1: MambaConfig, 2: Mamba2Config, 3: Mamba3Config}[generation], dtype, overrides)
+    cfg = CONFIGS[generation](d, **overrides)
+    model_cls = {1: HybridMambaLM if isinstance(cfg, HybridMambaConfig) else MambaLM, 2: Mamba2LM,
+                 3: Mamba3LM}[generation]
+    keep_fp32 = m3._FP32_PARAMETERS if generation == 3 else ("mixer.A_log", "mixer.D")
+    return load_weights(model_cls, cfg, folder, device, dtype, keep_fp32)
+
+
+# Saving: config.json in the official layout (section 2), and the weights under the official names,
+# as model.safetensors (the tied head stored once, as transformers does) or, without the
+# safetensors package, pytorch_model.bin (both keys, one storage, as the official save_pretrained
+# writes). Each file is written beside its final name and then renamed over it, so that an
+# interrupted save leaves the old file or the new one, never half of one; config.json is written
+# first and takes its name last, and weights in the other format are set aside (renamed) once the
+# new ones are whole, put back if the new file cannot take its name, and removed at the end.
+
+# fields of the official MambaConfig (config_mamba.py); the rest of a config's are the mixer's or how to run
 _OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
                         "rms_norm", "residual_in_fp32", "pad_vocab_size_multiple", "tie_embeddings")
-# how to run, not what the model is (Mamba-2's and Mamba-3's chunk_size are mixer fields: saved)
-_RUNTIME_FIELDS = {"scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer"}
+_RUNTIME_FIELDS = {"scan_backend", "compile_mixer"}  # how Mamba-2 and -3 run, not what they are
 
 
 def config_to_dict(cfg, layer="Mamba1", ssm_fields=_OFFICIAL_SSM_FIELDS, own_ssm_fields=()):
     """A config as the official config.json writes it: the official top-level fields, the mixer's
     fields (ssm_fields) in ssm_cfg with `layer`, and, only where they differ from their defaults
-    (the official code would refuse them), our own mixer fields (own_ssm_fields) in ssm_cfg and any
-    other field of ours at the top, where config_from_dict reads them back. Runtime options are
-    not saved."""
+    (the official code would refuse them), the other mixer fields (own_ssm_fields) in ssm_cfg and
+    any other field at the top, where section 2 reads them back. How to run is not saved."""
     d = {"d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
          "ssm_cfg": {"layer": layer}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
          "residual_in_fp32": cfg.residual_in_fp32, "fused_add_norm": True,
          "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple, "tie_embeddings": cfg.tie_embeddings}
     for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        value = _as_json(value)
+        value = _as_json(getattr(cfg, f.name))
         if f.name in _OFFICIAL_TOP_FIELDS:
             d[f.name] = value
         elif f.name in ssm_fields:
@@ -412,15 +755,37 @@ def _as_json(value):
     return list(value) if isinstance(value, tuple) else value  # JSON has lists
 
 
+def save(model, folder, safe_serialization=None):
+    """config.json and the weights of a MambaLM, Mamba2LM or Mamba3LM, in the official layout, into
+    folder (created if needed); safe_serialization: model.safetensors (True), pytorch_model.bin
+    (False), or None: safetensors where the package is installed. Returns the folder."""
+    if isinstance(model, Mamba3LM):
+        d = config_to_dict(model.cfg, "Mamba3", _MAMBA3_SSM_FIELDS, _MAMBA3_OWN_FIELDS)
+    elif isinstance(model, Mamba2LM):
+        d = config_to_dict(model.cfg, "Mamba2", _MAMBA2_SSM_FIELDS)
+    elif isinstance(model, MambaLM):
+        d = config_to_dict(model.cfg)
+    else:
+        raise ValueError(f"save writes a MambaLM, Mamba2LM or Mamba3LM, got a {type(model).__name__}")
+    return save_pretrained(model, folder, d, safe_serialization)
+
+
 def save_pretrained(model, folder, config_dict, safe_serialization=None):
-    """Write config_dict as config.json and the model's weights into folder (created if needed);
-    safe_serialization: model.safetensors (True), pytorch_model.bin (False), or None: safetensors
-    where the package is installed. Each file is written beside its name first, config.json before
-    the weights, so that a save that fails while writing (a full disk, an interrupt) or at the
-    weights' rename (refused on Windows while a scanner holds the file) leaves the checkpoint that
-    was there. Weights in the other format are set aside once the new file is whole, put back if it
-    cannot take its name, and removed at the end (the loader would otherwise find a stale
-    model.safetensors before a new pytorch_model.bin); one that will not go stays, with a warning."""
+    """Write config_dict as config.json and the model's weights into folder, as `save` describes.
+    Each file is written beside its name first, config.json before the weights, so that a save
+    that fails while writing (a full disk, an interrupt) or at the weights' rename (refused on
+    Windows while a scanner holds the file) leaves the checkpoint that was there. Weights in the
+    other format are set aside once the new file is whole, put back if it cannot take its name, and
+    removed at the end (the loader would otherwise find a stale model.safetensors before a new
+    pytorch_model.bin); one that will not go stays, with a warning."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise ValueError(f"folder must be a path, got {type(folder).__name__}")
+    if safe_serialization not in (None, True, False):
+        raise ValueError(f"safe_serialization must be True, False or None, got {safe_serialization!r}")
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"{os.fspath(folder)} exists and is not a folder; save writes a folder")
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ValueError("the model's parameters are on the meta device (shapes without values): nothing to save")
     if safe_serialization is None:
         safe_serialization = _safetensors_installed()
     if safe_serialization:  # before anything in the folder changes
@@ -428,7 +793,7 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
             from safetensors.torch import save_file
         except ImportError as err:
             raise ImportError("safe_serialization=True needs the safetensors package: pip install safetensors "
-                              "(or save_pretrained(folder, safe_serialization=False) for pytorch_model.bin)") from err
+                              "(or save(model, folder, safe_serialization=False) for pytorch_model.bin)") from err
     os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, "model.safetensors" if safe_serialization else "pytorch_model.bin")
     stale = [path for path in _weights_files(folder) if path != target and os.path.lexists(path)]
@@ -444,8 +809,7 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
                 try:
                     os.replace(path + aside, path)
                 except OSError as err:
-                    warnings.warn(f"save_pretrained could not put {path} back ({err}): the old weights are in "
-                                  f"{path + aside}")
+                    warnings.warn(f"save could not put {path} back ({err}): the old weights are in {path + aside}")
 
     state_dict = model.state_dict()
     if safe_serialization and model.cfg.tie_embeddings:
@@ -473,13 +837,13 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
         try:
             os.remove(path + aside)
         except OSError as err:
-            warnings.warn(f"save_pretrained could not remove {path + aside} ({err}); the new checkpoint is "
-                          f"complete and the loader never reads that file: delete it by hand")
+            warnings.warn(f"save could not remove {path + aside} ({err}); the new checkpoint is complete "
+                          f"and the loader never reads that file: delete it by hand")
     return folder
 
 
 def _write_json(path, d):
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         json.dump(d, f, indent=2)
         f.write("\n")
 
@@ -496,135 +860,10 @@ def _write_atomically(path, write, before_rename=None):
             os.remove(tmp)
 
 
-
 # ------------------------------------------------------------------------------------------------
-# Mamba-2's config.json
+# 5. Which A a Mamba-3 checkpoint needs
 # ------------------------------------------------------------------------------------------------
-# Official (state-spaces/mamba2-130m ...): config.json with d_model, d_intermediate, n_layer,
-# vocab_size, ssm_cfg = {"layer": "Mamba2", d_state, headdim, ngroups, chunk_size ...},
-# attn_layer_idx and attn_cfg (the hybrid mamba2attn-2.7b: hybrid.py),
-# pad_vocab_size_multiple (16 for those models), tie_embeddings; pytorch_model.bin under our names.
-# transformers (Mamba2ForCausalLM): config.json with hidden_size, num_hidden_layers, num_heads,
-# head_dim, state_size, n_groups, ...; the same names except backbone.embeddings.*; often
-# model.safetensors without the tied lm_head.weight; the vocab as saved (never padded), and
-# tie_word_embeddings false unless it says otherwise.
-
-_MAMBA2_HF_FIELDS = {  # transformers Mamba2Config name -> Mamba2Config name
-    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
-    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim",
-    "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_min": "dt_min",
-    "time_step_max": "dt_max", "time_step_floor": "dt_init_floor", "time_step_limit": "dt_limit",
-    "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
-    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
-}
-_MAMBA2_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
-                        "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
-# official Mamba2 options that only change how it runs or how it is initialized
-_MAMBA2_IGNORED = {"use_mem_eff_path", "conv_init", "layer_idx", "process_group", "sequence_parallel"}
-# official Mamba2 options we support only at their default value
-_MAMBA2_FIXED = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
-
-
-def _number(v):
-    """transformers 5 writes inf to config.json as {"__float__": "Infinity"}; json writes Infinity."""
-    return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
-
-
-def mamba2_config_from_dict(d, **overrides):
-    """A Mamba2Config from an official or a transformers config.json dict."""
-    if "hidden_size" in d or "num_hidden_layers" in d:
-        if d.get("model_type") == "mamba2" and "head_dim" not in d:
-            raise ValueError(f"config.json is missing the field head_dim (found {sorted(d)})")
-        if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
-            raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
-                             f"Mamba-2 (pretrained.load reads any generation)")
-        required = ["hidden_size", "num_hidden_layers", "vocab_size"]
-        kwargs = {_MAMBA2_HF_FIELDS[k]: v for k, v in d.items() if k in _MAMBA2_HF_FIELDS}
-        kwargs.setdefault("tie_embeddings", False)  # transformers' default
-        kwargs["pad_vocab_size_multiple"] = 1  # transformers never pads the vocab
-        if d.get("rms_norm") is False:
-            raise ValueError("rms_norm: false (no gated norm in the mixer) is not supported")
-        if d.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
-        heads = d.get("num_heads")
-        width = d.get("expand", 2) * d.get("hidden_size", 0)
-        if heads is not None and heads * d["head_dim"] != width:
-            raise ValueError(f"num_heads * head_dim = {heads} * {d['head_dim']} must equal expand * "
-                             f"hidden_size = {width}")
-    else:
-        required = ["d_model", "n_layer", "vocab_size"]
-        ssm_cfg = dict(_ssm_cfg(d))
-        layer = ssm_cfg.pop("layer", "Mamba1")
-        if layer != "Mamba2":
-            raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba2LM loads Mamba-2 "
-                             f"only (pretrained.load reads any generation)")
-        for name, value in _MAMBA2_FIXED.items():
-            if ssm_cfg.pop(name, value) != value:
-                raise ValueError(f"ssm_cfg.{name} = {not value} is not supported (only {value})")
-        unknown = set(ssm_cfg) - _MAMBA2_SSM_FIELDS - _MAMBA2_IGNORED
-        if unknown:
-            raise ValueError(f"unsupported ssm_cfg fields in config.json: {sorted(unknown)}")
-        kwargs = official_lm_fields(d, {f.name for f in fields(Mamba2Config)})  # with the hybrid fields
-        kwargs.update({k: v for k, v in ssm_cfg.items() if k in _MAMBA2_SSM_FIELDS})
-    missing = [k for k in required if k not in d]
-    if missing:
-        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
-    for name in ("dt_limit", "A_init_range"):
-        if isinstance(kwargs.get(name), (list, tuple)):  # anything else is Mamba2Config's to refuse by name
-            kwargs[name] = tuple(_number(v) for v in kwargs[name])
-    kwargs.update(overrides)
-    return Mamba2Config(**kwargs)
-
-# ------------------------------------------------------------------------------------------------
-# Mamba-3's config.json
-# ------------------------------------------------------------------------------------------------
-# The official layout (official MambaLMHeadModel.save_pretrained, mixer_seq_simple.py): config.json
-# holds MambaConfig's fields, d_model, d_intermediate, n_layer, vocab_size, ssm_cfg = {"layer":
-# "Mamba3", and any Mamba3 argument: d_state, headdim, rope_fraction, is_mimo, mimo_rank ...},
-# attn_layer_idx, attn_cfg (the hybrid fields: hybrid.py), rms_norm,
-# residual_in_fp32, fused_add_norm, pad_vocab_size_multiple, tie_embeddings; the weights in
-# pytorch_model.bin (or model.safetensors) under our names. The published Mamba-3 checkpoints
-# (state-spaces/mamba3-*) come in this layout, with a GatedMLP after every mixer; which A they
-# need is A_variant_losses' question (below). The tests write their own checkpoints.
-
-_MAMBA3_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
-                        "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
-# official Mamba3 arguments (official main, e9594ce) that change only how it runs:
-# fuse_pregate_headwise_norm moves MIMO's output norm and gate into the kernel (the same
-# arithmetic), dropout is unused, layer_idx and n_layer place the layer, device and dtype say
-# where and in what its parameters are made
-_MAMBA3_IGNORED = {"fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer", "device", "dtype"}
-# not an official argument: this file's choice of A (Mamba3Config.A_activation)
-_MAMBA3_OWN_FIELDS = {"A_activation"}
-
-
-def mamba3_config_from_dict(d, **overrides):
-    """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3").
-    ssm_cfg fields that the official Mamba3 does not take are dropped with a warning, as its **kwargs
-    drops them (at e9594ce)."""
-    ssm_cfg = d.get("ssm_cfg")
-    if not isinstance(ssm_cfg, dict):
-        raise ValueError(f"config.json must hold ssm_cfg = {{\"layer\": \"Mamba3\", ...}}, got "
-                         f"{type(ssm_cfg).__name__ if ssm_cfg is not None else 'none'}")
-    ssm_cfg = dict(ssm_cfg)
-    layer = ssm_cfg.pop("layer", "Mamba1")
-    if layer != "Mamba3":
-        raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
-                         f"(pretrained.load reads any generation)")
-    unknown = set(ssm_cfg) - _MAMBA3_SSM_FIELDS - _MAMBA3_IGNORED - _MAMBA3_OWN_FIELDS
-    if unknown:  # the official Mamba3 takes **kwargs and drops them: the same model, said out loud
-        warnings.warn(f"config.json's ssm_cfg fields {sorted(unknown)} are not Mamba3 arguments; ignored, as the "
-                      f"official Mamba3 module ignores them")
-    missing = [k for k in ("d_model", "n_layer", "vocab_size") if k not in d]
-    if missing:
-        raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
-    kwargs = official_lm_fields(d, {f.name for f in fields(Mamba3Config)})  # with the hybrid fields
-    kwargs.update({k: v for k, v in ssm_cfg.items() if k in _MAMBA3_SSM_FIELDS | _MAMBA3_OWN_FIELDS})
-    kwargs.update(overrides)
-    return Mamba3Config(**kwargs)
-
-
-# Which A a checkpoint needs. Official main computes A with the heavy-tail activation, the March
+# Official main computes A with the heavy-tail activation, the March
 # 2026 release with softplus, and config.json does not say which one trained the weights. Running
 # the checkpoint both ways on real text answers it: the wrong A changes every decay rate, and with
 # them every logit, and its loss is the clearly higher one.
@@ -675,94 +914,42 @@ def A_variant_losses(path_or_model, input_ids, **load_kwargs):
     return losses
 
 
-# ------------------------------------------------------------------------------------------------
-# Loading and saving, any generation
-# ------------------------------------------------------------------------------------------------
-
-CONFIGS = {1: config_from_dict, 2: mamba2_config_from_dict, 3: mamba3_config_from_dict}
-GENERATION_OF_CLASS = {MambaLM: 1, HybridMambaLM: 1, Mamba2LM: 2, Mamba3LM: 3}
-
-
-def _check_load_arguments(cfg_cls, dtype, overrides):
-    """load's dtype and config overrides, before any weights are read."""
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
-                         f"got {dtype!r}")
-    known = [f.name for f in fields(cfg_cls)] + [n for n in _HYBRID_FIELDS if n not in {f.name for f in fields(cfg_cls)}]
-    unknown = sorted(set(overrides) - set(known))
-    if unknown:
-        raise ValueError(f"unknown {cfg_cls.__name__} fields {unknown}; the fields are {known}")
-
-
-def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
-    """A checkpoint folder or hub id, of any generation and layout, as a model in eval mode.
-
-    Args:
-        path_or_id: a folder with config.json and the weights, or a hub id (state-spaces/mamba-130m)
-        device, dtype: where and in what the weights go (None: cpu, the dtypes the model is built
-                       with); under fp16/bf16 A_log, D and the like stay fp32, as in the official code
-        cls: None (config.json's generation decides), or MambaLM, Mamba2LM, Mamba3LM to insist on one
-        overrides: config fields to change (e.g. Mamba3Config's A_activation)
-    """
-    folder = _resolve_folder(path_or_id)
-    d = read_config_json(folder)
-    generation = generation_of(d)
-    if cls is not None and GENERATION_OF_CLASS.get(cls) != generation:
-        raise ValueError(f"config.json describes a Mamba-{generation} model; {getattr(cls, '__name__', cls)} "
-                         f"loads Mamba-{GENERATION_OF_CLASS.get(cls, '?')} (cls=None loads any generation)")
-    _check_load_arguments({1: MambaConfig, 2: Mamba2Config, 3: Mamba3Config}[generation], dtype, overrides)
-    cfg = CONFIGS[generation](d, **overrides)
-    model_cls = {1: HybridMambaLM if isinstance(cfg, HybridMambaConfig) else MambaLM, 2: Mamba2LM,
-                 3: Mamba3LM}[generation]
-    keep_fp32 = m3._FP32_PARAMETERS if generation == 3 else ("mixer.A_log", "mixer.D")
-    return load_weights(model_cls, cfg, folder, device, dtype, keep_fp32)
-
-
-def save(model, folder, safe_serialization=None):
-    """config.json and the weights of a MambaLM, Mamba2LM or Mamba3LM, in the official layout."""
-    if isinstance(model, Mamba3LM):
-        d = config_to_dict(model.cfg, "Mamba3", _MAMBA3_SSM_FIELDS, _MAMBA3_OWN_FIELDS)
-    elif isinstance(model, Mamba2LM):
-        d = config_to_dict(model.cfg, "Mamba2", _MAMBA2_SSM_FIELDS)
-    elif isinstance(model, MambaLM):
-        d = config_to_dict(model.cfg)
-    else:
-        raise ValueError(f"save writes a MambaLM, Mamba2LM or Mamba3LM, got a {type(model).__name__}")
-    return save_pretrained(model, folder, d, safe_serialization)
-
 
 # ------------------------------------------------------------------------------------------------
-# 2. The command: generate and score
+# 6. The command: generate and score
 # ------------------------------------------------------------------------------------------------
 
-def load_model(name, dtype, device):
-    """The folder or hub id `name` -> (model, generation, folder)."""
-    folder = _resolve_folder(name)
-    model = load(folder, device=device, dtype=dtype)
-    return model, generation_of(read_config_json(folder)), folder
+# The tokenizer each generation's official checkpoints were trained with (see the top of the file).
+TOKENIZERS = {1: "EleutherAI/gpt-neox-20b", 2: "EleutherAI/gpt-neox-20b", 3: "meta-llama/Llama-3.1-8B"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_tokenizer(name):
-    """transformers' AutoTokenizer for the repository or folder `name`."""
+    """transformers' AutoTokenizer for the repository or folder `name`, never running its code: a
+    folder's tokenizer_config.json can name Python files of its own (auto_map), which
+    trust_remote_code=False refuses without asking."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise SystemExit(f"error: the tokenizer ({name}) needs the transformers package: pip install "
                          f"transformers (the model itself needs only torch)") from None
     try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as err:  # gated, offline, not a tokenizer
-        raise SystemExit(f"error: cannot load the tokenizer {name}: {type(err).__name__}: {err}\n"
-                         f"(pass --tokenizer with a folder or a hub id of the tokenizer to use; "
-                         f"meta-llama repositories are gated: accept the license on the hub and log in)")
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
+    except Exception as err:  # gated, offline, not a tokenizer, code of its own
+        raise SystemExit(f"error: cannot load the tokenizer {name}: {_first_line(err)} (pass --tokenizer with a "
+                         f"folder or a hub id of the tokenizer to use; meta-llama repositories are gated: "
+                         f"accept the license on the hub and log in)") from None
 
 
 def tokenizer_name(args, generation, folder):
+    """--tokenizer, else the folder's own tokenizer, else the one its generation was trained with."""
     if args.tokenizer:
         return args.tokenizer
-    if any(os.path.exists(os.path.join(folder, f)) for f in TOKENIZER_FILES):
-        return folder
-    return TOKENIZERS[generation]
+    present = [os.path.join(folder, f) for f in TOKENIZER_FILES if os.path.lexists(os.path.join(folder, f))]
+    for path in present:  # as the weights are: transformers would open a FIFO and wait
+        _regular_file(path)
+    return folder if present else TOKENIZERS[generation]
 
 
 def encode(tokenizer, text, model, device):
@@ -782,13 +969,13 @@ def generate(args, model, tokenizer, device):
     prompt = ids[0].tolist()
     # decoded with the prompt, then cut: a tokenizer may join a word to the one before it
     prefix = tokenizer.decode(prompt, skip_special_tokens=True)
-    new, shown, t0, t_first = [], "", time.perf_counter(), None
+    new, shown, times = [], "", [time.perf_counter()]
     print(args.prompt, end="", flush=True)
     if args.compile:
         eng.compile_decode(model)
     for token in model.generate_stream(ids, args.max_new_tokens, temperature=args.temperature,
                                        top_k=args.top_k, top_p=args.top_p):
-        t_first = t_first or time.perf_counter()
+        times.append(time.perf_counter())
         if token.item() == eos:
             break
         new.append(token.item())
@@ -797,11 +984,16 @@ def generate(args, model, tokenizer, device):
             print(text[len(shown):], end="", flush=True)
             shown = text
     print(tokenizer.decode(prompt + new, skip_special_tokens=True)[len(prefix) + len(shown):])
-    t_end = time.perf_counter()
-    steps = f"; {len(new) - 1} more in {t_end - t_first:.2f} s ({(t_end - t_first) / (len(new) - 1) * 1e3:.1f} " \
-            f"ms/token)" if len(new) > 1 else ""
-    print(f"[prompt of {ids.shape[1]} tokens and the first new token in {t_first - t0:.2f} s{steps}]",
-          file=sys.stderr)
+    # times: the start, then one per token; with --compile the second token's step compiles the graph
+    line = f"prompt of {ids.shape[1]} tokens and the first new token in {times[1] - times[0]:.2f} s"
+    rest = times[1:]
+    if args.compile and len(rest) > 1:
+        line += f"; the second (compiling the step) in {rest[1] - rest[0]:.2f} s"
+        rest = rest[1:]
+    if len(rest) > 1:
+        line += (f"; {len(rest) - 1} more in {rest[-1] - rest[0]:.2f} s "
+                 f"({(rest[-1] - rest[0]) / (len(rest) - 1) * 1e3:.1f} ms/token)")
+    print(f"[{line}]", file=sys.stderr)
 
 
 def mean_loss(model, ids, window):
@@ -840,17 +1032,39 @@ def score(args, model, tokenizer, device, generation):
               + ", ".join(f"{variant} {value:.4f}" for variant, value in losses.items()))
 
 
-def checked_device(p, name):
-    """--device as a torch.device, or a usage error that names it, before the checkpoint is read."""
+def check_flags(p, args):
+    """Every flag's range, before the download and before anything is printed."""
+    if args.command == "generate" and args.prompt is None:
+        p.error("generate needs --prompt TEXT")
+    if args.command == "score" and args.text is None:
+        p.error("score needs --text FILE")
+    if args.window < 1:
+        p.error("--window must be at least 1")
+    if args.command == "generate":
+        if args.max_new_tokens < 1:
+            p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        if not 0 <= args.temperature < math.inf:
+            p.error(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
+        if args.top_k is not None and args.top_k < 1:
+            p.error(f"--top-k must be at least 1, got {args.top_k}")
+        if not 0 < args.top_p <= 1:
+            p.error(f"--top-p must lie in (0, 1] (1: no cut), got {args.top_p}")
+        # below float32's smallest normal number a temperature or top_p rounds to 0 in the logits'
+        # arithmetic; greedy is what both tend to as they shrink
+        tiny = torch.finfo(torch.float32).tiny
+        if args.temperature < tiny or args.top_p < tiny:
+            args.temperature, args.top_k = 0.0, 1
+    if not 0 <= args.seed < 2 ** 64:
+        p.error(f"--seed must lie in [0, 2**64), got {args.seed}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > 4 * cores:  # torch crashes far above the cores
+        p.error(f"--threads {args.threads} is more than 4 x the {cores} cores this machine has")
     try:
-        device = torch.device(name)
-    except RuntimeError:
-        p.error(f"--device {name} is not a device name; expected cpu, cuda, cuda:N or mps")
-    available = {"cpu": 1, "cuda": torch.cuda.device_count(),
-                 "mps": int(getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available())}
-    if (device.index or 0) >= available.get(device.type, 0):
-        p.error(f"--device {name}: torch finds {available.get(device.type, 0)} {device.type} device(s)")
-    return device
+        return checked_device(args.device)
+    except ValueError as err:
+        p.error(f"--{err}")
 
 
 def main(argv=None):
@@ -873,37 +1087,19 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
-    if args.command == "generate" and args.prompt is None:
-        p.error("generate needs --prompt TEXT")
-    if args.command == "score" and args.text is None:
-        p.error("score needs --text FILE")
-    if args.window < 1:
-        p.error("--window must be at least 1")
-    if args.command == "generate":  # before the download, and before the prompt is printed
-        if args.max_new_tokens < 1:
-            p.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-        if not 0 <= args.temperature < math.inf:
-            p.error(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
-        if args.top_k is not None and args.top_k < 1:
-            p.error(f"--top-k must be at least 1, got {args.top_k}")
-        if not 0 < args.top_p <= 1:
-            p.error(f"--top-p must lie in (0, 1] (1: no cut), got {args.top_p}")
-    if args.threads is not None and args.threads < 1:
-        p.error(f"--threads must be at least 1, got {args.threads}")
+    device = check_flags(p, args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = checked_device(p, args.device)
     try:
-        model, generation, folder = load_model(args.model, DTYPES[args.dtype], device)
-    except (ValueError, FileNotFoundError, ImportError) as err:
-        raise SystemExit(f"error: {err}") from None
-    tokenizer = load_tokenizer(tokenizer_name(args, generation, folder))
-    try:
+        folder = _resolve_folder(args.model)
+        model = load(folder, device=device, dtype=DTYPES[args.dtype])
+        generation = GENERATION_OF_CLASS[type(model)]
+        tokenizer = load_tokenizer(tokenizer_name(args, generation, folder))
         if args.command == "generate":
             generate(args, model, tokenizer, device)
         else:
             score(args, model, tokenizer, device, generation)
-    except ValueError as err:  # a bad --temperature, --top-k, --top-p, --max-new-tokens
+    except (ValueError, FileNotFoundError, ImportError) as err:  # the checkpoint, or a value the model refuses
         raise SystemExit(f"error: {err}") from None
 
 
