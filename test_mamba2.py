@@ -1,5 +1,6 @@
-"""Specification of mamba2_minimal.py: SSD in its three forms, the block, recurrent inference,
-loading both checkpoint layouts. Every oracle is written here in float64, independently."""
+"""Specification of mamba2_minimal.py: SSD in its three forms, the block, recurrent inference, and
+Mamba-2 checkpoints in both layouts through pretrained.py. Every oracle is written here in float64,
+independently."""
 
 import contextlib
 import json
@@ -12,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import mamba2_minimal as m2
+import pretrained
 import pscan
 from mamba2_minimal import Mamba2Config, Mamba2LM
 
@@ -634,7 +636,7 @@ def test_greedy_generate_equals_teacher_forced_argmax():
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. Loading checkpoints
+# Loading Mamba-2 checkpoints (pretrained.py)
 # ------------------------------------------------------------------------------------------------
 
 def write_checkpoint(folder, config, state_dict):
@@ -662,7 +664,7 @@ def test_official_layout_loads_strictly_with_a_padded_vocab(tmp_path):
     src = Mamba2LM(cfg).eval()
     assert src.lm_head.weight.shape[0] == 64
     folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, src.state_dict())
-    model = Mamba2LM.from_pretrained(folder)
+    model = pretrained.load(folder, cls=Mamba2LM)
     assert model.cfg.ngroups == 2 and model.cfg.padded_vocab_size == 64
     for k, v in src.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
@@ -679,7 +681,7 @@ def test_loading_in_bf16_keeps_A_log_and_D_in_fp32_and_rejects_bad_json(tmp_path
         for layer in src.backbone.layers:  # values that bf16 cannot hold exactly
             layer.mixer.A_log.copy_(torch.linspace(0.1234567, 2.7654321, layer.mixer.A_log.numel()))
     folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, src.state_dict())
-    model = Mamba2LM.from_pretrained(folder, dtype=torch.bfloat16)
+    model = pretrained.load(folder, dtype=torch.bfloat16, cls=Mamba2LM)
     for name, p in model.named_parameters():
         if name.endswith(("mixer.A_log", "mixer.D")):
             assert p.dtype == torch.float32 and torch.equal(p, src.state_dict()[name]), name
@@ -687,7 +689,7 @@ def test_loading_in_bf16_keeps_A_log_and_D_in_fp32_and_rejects_bad_json(tmp_path
             assert p.dtype == torch.bfloat16, name
     (tmp_path / "official" / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not valid JSON"):
-        Mamba2LM.from_pretrained(folder)
+        pretrained.load(folder, cls=Mamba2LM)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -699,7 +701,7 @@ def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_
     if tied:
         del sd["lm_head.weight"]  # as model.safetensors leaves it out
     folder = write_checkpoint(tmp_path / "hf", dict(HF_CONFIG, tie_word_embeddings=tied), sd)
-    model = Mamba2LM.from_pretrained(folder)
+    model = pretrained.load(folder, cls=Mamba2LM)
     assert model.lm_head.weight.shape == (50, 32)  # never padded
     assert (model.lm_head.weight is model.backbone.embedding.weight) == tied
     ids = torch.randint(0, 50, (2, 11))
@@ -708,8 +710,8 @@ def test_transformers_layout_loads_without_padding_and_with_or_without_the_tied_
 
 
 @pytest.mark.parametrize("change,message", [
-    (lambda c: c["ssm_cfg"].update(layer="Mamba1"), "Mamba2LM loads Mamba-2 only.*MambaLM"),
-    (lambda c: c["ssm_cfg"].pop("layer"), "Mamba2LM loads Mamba-2 only"),
+    (lambda c: c["ssm_cfg"].update(layer="Mamba1"), "describes a Mamba-1 model; Mamba2LM loads Mamba-2"),
+    (lambda c: c["ssm_cfg"].pop("layer"), "describes a Mamba-1 model; Mamba2LM loads Mamba-2"),
     (lambda c: c.update(d_intermediate=64), r"missing \['backbone.layers.0.mlp.fc1.weight'"),  # no MLP weights
     (lambda c: c.update(attn_layer_idx=[1]), "attn_cfg.num_heads must be a positive integer"),
     (lambda c: c["ssm_cfg"].update(D_has_hdim=True), "D_has_hdim = True is not supported"),
@@ -727,22 +729,22 @@ def test_bad_official_checkpoints_raise_errors_that_name_the_problem(tmp_path, c
     change(config)
     folder = write_checkpoint(tmp_path / "bad", config, Mamba2LM(cfg).state_dict())
     with pytest.raises(ValueError, match=message):
-        Mamba2LM.from_pretrained(folder)
+        pretrained.load(folder, cls=Mamba2LM)
 
 
 def test_bad_transformers_checkpoints_and_missing_keys_raise(tmp_path):
     src = Mamba2LM(small_config(pad_vocab_size_multiple=1))
     sd = src.state_dict()
     mamba1 = {"model_type": "mamba", "hidden_size": 32, "num_hidden_layers": 2, "vocab_size": 50, "state_size": 8}
-    for config, message in [(mamba1, "not Mamba-2; for Mamba-1 use mamba_minimal.MambaLM"),
+    for config, message in [(mamba1, "describes a Mamba-1 model; Mamba2LM loads Mamba-2"),
                             (dict(HF_CONFIG, num_heads=3), r"num_heads \* head_dim = 3 \* 16 must equal"),
                             (dict(HF_CONFIG, rms_norm=False), "rms_norm: false"),
                             ({k: v for k, v in HF_CONFIG.items() if k != "head_dim"}, "missing the field head_dim")]:
         with pytest.raises(ValueError, match=message):
-            Mamba2LM.from_pretrained(write_checkpoint(tmp_path / "hf_bad", config, sd))
+            pretrained.load(write_checkpoint(tmp_path / "hf_bad", config, sd), cls=Mamba2LM)
     partial = {k: v for k, v in sd.items() if not k.endswith("layers.1.mixer.dt_bias")}
     with pytest.raises(ValueError, match=r"missing \['backbone.layers.1.mixer.dt_bias'\]"):
-        Mamba2LM.from_pretrained(write_checkpoint(tmp_path / "hf_partial", HF_CONFIG, partial))
+        pretrained.load(write_checkpoint(tmp_path / "hf_partial", HF_CONFIG, partial), cls=Mamba2LM)
 
 
 @pytest.mark.parametrize("G", [1, 2])
@@ -758,7 +760,7 @@ def test_logits_equal_transformers_mamba2_on_the_same_weights(tmp_path, G):
             if name.endswith(("dt_bias", "A_log", ".D", "norm.weight")):
                 p.add_(torch.randn_like(p) * 0.3)
     hf.save_pretrained(tmp_path)  # model.safetensors, without the tied head
-    model = Mamba2LM.from_pretrained(str(tmp_path))
+    model = pretrained.load(str(tmp_path), cls=Mamba2LM)
     ids = torch.randint(0, 50, (2, 21))  # 21: a partial last chunk
     with torch.no_grad():
         expected = hf(ids).logits
@@ -769,11 +771,15 @@ def test_mamba1_loader_refuses_a_mamba2_checkpoint(tmp_path):
     import mamba_minimal as mm
     cfg = small_config(pad_vocab_size_multiple=16)
     folder = write_checkpoint(tmp_path / "official", OFFICIAL_CONFIG, Mamba2LM(cfg).state_dict())
-    with pytest.raises(ValueError, match="asks for Mamba2; load it with mamba2_minimal.Mamba2LM"):
-        mm.MambaLM.from_pretrained(folder)
+    with pytest.raises(ValueError, match="describes a Mamba-2 model; MambaLM loads Mamba-1"):
+        pretrained.load(folder, cls=mm.MambaLM)
+    with pytest.raises(ValueError, match=r"asks for Mamba2; load it with pretrained.load \(Mamba2LM\)"):
+        pretrained.config_from_dict(OFFICIAL_CONFIG)
     hf = write_checkpoint(tmp_path / "hf", HF_CONFIG, Mamba2LM(cfg).state_dict())
-    with pytest.raises(ValueError, match="Mamba-2 model .* load it with mamba2_minimal.Mamba2LM"):
-        mm.MambaLM.from_pretrained(hf)
+    with pytest.raises(ValueError, match="describes a Mamba-2 model; MambaLM loads Mamba-1"):
+        pretrained.load(hf, cls=mm.MambaLM)
+    with pytest.raises(ValueError, match=r"Mamba-2 model .* load it with pretrained.load \(Mamba2LM\)"):
+        pretrained.config_from_dict(HF_CONFIG)
 
 
 def test_dt_limit_clamps_both_ends():
@@ -799,8 +805,8 @@ def test_transformers_config_names_map_to_their_fields():
     expected = dict(d_model=48, n_layer=3, vocab_size=40, d_state=6, expand=3, d_conv=5, headdim=9, ngroups=2,
                     chunk_size=7, dt_min=0.002, dt_max=0.05, dt_init_floor=0.0003, dt_limit=(0.01, 0.2), bias=True,
                     conv_bias=False, norm_epsilon=1e-4, residual_in_fp32=False, tie_embeddings=True)
-    assert set(m2._HF_FIELDS) == set(d) - {"model_type", "num_heads"}  # every mapped name is in d
-    cfg = m2.config_from_dict(d)
+    assert set(pretrained._MAMBA2_HF_FIELDS) == set(d) - {"model_type", "num_heads"}  # every mapped name is in d
+    cfg = pretrained.mamba2_config_from_dict(d)
     assert {k: getattr(cfg, k) for k in expected} == expected
 
 
@@ -808,7 +814,7 @@ def test_transformers_own_config_keeps_its_time_step_limit():
     transformers = pytest.importorskip("transformers")
     hf = transformers.Mamba2Config(num_heads=4, head_dim=16, hidden_size=32, state_size=8, num_hidden_layers=2,
                                    vocab_size=50, n_groups=2, time_step_limit=(0.01, 0.2))
-    assert m2.config_from_dict(json.loads(hf.to_json_string())).dt_limit == (0.01, 0.2)
+    assert pretrained.mamba2_config_from_dict(json.loads(hf.to_json_string())).dt_limit == (0.01, 0.2)
 
 
 def test_a_non_finite_input_poisons_its_chunk_and_later_ones_but_no_earlier_chunk():
@@ -831,5 +837,5 @@ def test_a_config_json_pair_that_is_not_a_pair_is_refused_by_name(field, value):
     # fuzz N7: these reached tuple() and raised TypeError ('NoneType' object is not iterable)
     d = {"d_model": 16, "n_layer": 1, "vocab_size": 11, "ssm_cfg": {"layer": "Mamba2", "headdim": 8, field: value}}
     with pytest.raises(ValueError, match=rf"Mamba2Config.{field} must be a pair of numbers \(low, high\)"):
-        m2.config_from_dict(d)
+        pretrained.mamba2_config_from_dict(d)
 

@@ -1,8 +1,8 @@
 """Specification of mamba3_minimal.py: the recurrence and its chunked form, the rotation view, the
-discretization rules, the block, recurrent inference, loading. Every oracle is written here in
-float64, from the equations (paper arXiv 2603.15569; the official Mamba3 module at official main,
-e9594ce, and its tests' mamba3_siso_step_ref and mamba3_MIMO_step_ref; the March 2026 release,
-5235bdc, for A_activation = "softplus"), independently of the code under test."""
+discretization rules, the block, recurrent inference, and Mamba-3 checkpoints through pretrained.py.
+Every oracle is written here in float64, from the equations (paper arXiv 2603.15569; the official
+Mamba3 module at official main, e9594ce, and its tests' mamba3_siso_step_ref and mamba3_MIMO_step_ref;
+the March 2026 release, 5235bdc, for A_activation = "softplus"), independently of the code under test."""
 
 import json
 import math
@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import mamba3_minimal as m3
+import pretrained
 import pscan
 from mamba3_minimal import Mamba3Config, Mamba3LM
 from test_mamba2 import LargestTensor
@@ -735,7 +736,7 @@ def test_batched_greedy_generate_equals_each_row_alone():
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. Loading checkpoints
+# Loading Mamba-3 checkpoints (pretrained.py)
 # ------------------------------------------------------------------------------------------------
 
 def write_official_checkpoint(folder, model, ssm_cfg=None, **top):
@@ -758,11 +759,11 @@ def test_official_layout_round_trips_strictly(tmp_path):
     torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2, is_outproj_norm=True)))
     write_official_checkpoint(tmp_path, model)
-    loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    loaded = pretrained.load(str(tmp_path), cls=Mamba3LM)
     assert loaded.cfg.is_mimo and loaded.cfg.mimo_rank == 2 and loaded.cfg.is_outproj_norm
     ids = torch.randint(0, 29, (2, 9))
     assert torch.equal(loaded(ids), model(ids))
-    half = Mamba3LM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+    half = pretrained.load(str(tmp_path), dtype=torch.bfloat16, cls=Mamba3LM)
     assert half.backbone.layers[0].mixer.B_bias.dtype == torch.float32
     assert half.backbone.layers[0].mixer.out_proj.weight.dtype == torch.bfloat16
 
@@ -781,7 +782,7 @@ def test_the_published_layout_loads_bf16_weights_strictly(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump(config, f)
     torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, tmp_path / "pytorch_model.bin")
-    loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    loaded = pretrained.load(str(tmp_path), cls=Mamba3LM)
     assert loaded.lm_head.weight.shape == (32, 16) and loaded.lm_head.weight is loaded.backbone.embedding.weight
     ids = torch.randint(0, 29, (2, 9))
     assert torch.equal(loaded(ids), model(ids))
@@ -791,7 +792,7 @@ def test_a_float64_checkpoint_loads_in_float64_without_rounding(tmp_path):
     torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2)).double())  # digits beyond fp32
     write_official_checkpoint(tmp_path, model)
-    loaded = Mamba3LM.from_pretrained(str(tmp_path), dtype=torch.float64)
+    loaded = pretrained.load(str(tmp_path), dtype=torch.float64, cls=Mamba3LM)
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert b.dtype == torch.float64 and torch.equal(a, b), name
 
@@ -805,7 +806,7 @@ def test_safetensors_without_the_tied_head_loads(tmp_path):
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     safetensors.save_file(sd, os.path.join(tmp_path, "model.safetensors"))
     ids = torch.randint(0, 29, (2, 9))
-    assert torch.equal(Mamba3LM.from_pretrained(str(tmp_path))(ids), model(ids))
+    assert torch.equal(pretrained.load(str(tmp_path), cls=Mamba3LM)(ids), model(ids))
 
 
 class RunsCode:
@@ -827,7 +828,7 @@ def test_bad_checkpoints_are_refused_with_clear_errors(tmp_path, change, message
     change(str(tmp_path), sd)
     torch.save(sd, os.path.join(tmp_path, "pytorch_model.bin"))
     with pytest.raises(ValueError, match=message):
-        Mamba3LM.from_pretrained(str(tmp_path))
+        pretrained.load(str(tmp_path), cls=Mamba3LM)
 
 
 # The official Mamba3 constructor's arguments and defaults, copied by hand from
@@ -849,8 +850,8 @@ def test_mamba3_config_defaults_are_the_official_modules():
     for name, value in OFFICIAL_LM_DEFAULTS.items():
         assert getattr(cfg, name) == value, name
     assert cfg.A_activation == "heavy_tail"  # official main's A
-    assert m3._OFFICIAL_IGNORED == OFFICIAL_KERNEL_ONLY
-    assert m3._OFFICIAL_SSM_FIELDS == set(OFFICIAL_MAMBA3_ARGUMENTS) - OFFICIAL_KERNEL_ONLY
+    assert pretrained._MAMBA3_IGNORED == OFFICIAL_KERNEL_ONLY
+    assert pretrained._MAMBA3_SSM_FIELDS == set(OFFICIAL_MAMBA3_ARGUMENTS) - OFFICIAL_KERNEL_ONLY
 
 
 def test_every_official_ssm_cfg_field_reaches_the_config(tmp_path):
@@ -868,7 +869,7 @@ def test_every_official_ssm_cfg_field_reaches_the_config(tmp_path):
     write_official_checkpoint(tmp_path, model, ssm_cfg=dict(layer="Mamba3", **fields, **kernel_only))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every field is known: none is called ignored (A_activation is not)
-        loaded = Mamba3LM.from_pretrained(str(tmp_path))
+        loaded = pretrained.load(str(tmp_path), cls=Mamba3LM)
     for name, value in fields.items():
         assert getattr(loaded.cfg, name) == value, name
     assert loaded.cfg.n_layer == 2 and loaded.lm_head.weight.dtype == torch.float32  # kernel-only: ignored
@@ -880,7 +881,7 @@ def test_A_variant_losses_are_each_variants_cross_entropy(tmp_path):
     torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config(is_mimo=True, mimo_rank=2))).double()
     ids = torch.randint(0, 29, (3, 17))
-    losses = m3.A_variant_losses(model, ids)
+    losses = pretrained.A_variant_losses(model, ids)
     assert model.cfg.A_activation == "heavy_tail"  # left as it was
     for variant in m3.A_ACTIVATIONS:
         other = Mamba3LM(small_config(is_mimo=True, mimo_rank=2, A_activation=variant)).double()
@@ -889,7 +890,7 @@ def test_A_variant_losses_are_each_variants_cross_entropy(tmp_path):
         expected = -log_p.gather(-1, ids[:, 1:, None]).mean().item()
         assert abs(losses[variant] - expected) < 1e-9 * expected, variant
     write_official_checkpoint(tmp_path, model.float())
-    from_folder = m3.A_variant_losses(str(tmp_path), ids)
+    from_folder = pretrained.A_variant_losses(str(tmp_path), ids)
     assert all(abs(from_folder[v] - losses[v]) < 1e-4 for v in m3.A_ACTIVATIONS)
 
 
@@ -900,7 +901,7 @@ def test_A_variant_losses_name_the_variant_a_model_was_built_with(trained_with):
     torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config(A_activation=trained_with))).double()
     text = model.generate(torch.randint(0, 29, (8, 1)), 100, generator=torch.Generator().manual_seed(1))
-    losses = m3.A_variant_losses(model, text)
+    losses = pretrained.A_variant_losses(model, text)
     other = next(v for v in m3.A_ACTIVATIONS if v != trained_with)
     assert losses[trained_with] < losses[other] - 0.02, losses
 
@@ -912,19 +913,19 @@ def test_A_variant_losses_name_the_variant_a_model_was_built_with(trained_with):
 ])
 def test_A_variant_losses_refuse_what_is_not_token_ids(ids, message):
     with pytest.raises(ValueError, match=message):
-        m3.A_variant_losses(Mamba3LM(small_config()), ids)
+        pretrained.A_variant_losses(Mamba3LM(small_config()), ids)
     with pytest.raises(ValueError, match="load_kwargs apply to a path only"):
-        m3.A_variant_losses(Mamba3LM(small_config()), torch.ones(1, 3, dtype=torch.long), dtype=torch.bfloat16)
+        pretrained.A_variant_losses(Mamba3LM(small_config()), torch.ones(1, 3, dtype=torch.long), dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("ssm_cfg,message", [
-    (dict(layer="Mamba2", d_state=8), "Mamba3LM loads Mamba3 only"),
+    (dict(layer="Mamba2", d_state=8), "describes a Mamba-2 model; Mamba3LM loads Mamba-3"),
     (dict(layer="Mamba3", d_state=8, rope_fraction=0.3), "rope_fraction must be 0.5 or 1.0"),
 ])
 def test_configs_that_are_not_this_model_are_refused(tmp_path, ssm_cfg, message):
     write_official_checkpoint(tmp_path, Mamba3LM(small_config()), ssm_cfg=dict(ssm_cfg, headdim=8, ngroups=2))
     with pytest.raises(ValueError, match=message):
-        Mamba3LM.from_pretrained(str(tmp_path))
+        pretrained.load(str(tmp_path), cls=Mamba3LM)
 
 
 def test_ssm_cfg_fields_the_official_module_ignores_are_ignored_with_a_warning(tmp_path):
@@ -935,7 +936,7 @@ def test_ssm_cfg_fields_the_official_module_ignores_are_ignored_with_a_warning(t
     write_official_checkpoint(tmp_path, model, ssm_cfg=dict(layer="Mamba3", d_state=8, headdim=8, ngroups=2,
                                                             chunk_size=4, d_conv=4, not_a_field=1))
     with pytest.warns(UserWarning, match=r"ssm_cfg fields \['d_conv', 'not_a_field'\] are not Mamba3 arguments"):
-        loaded = Mamba3LM.from_pretrained(str(tmp_path))
+        loaded = pretrained.load(str(tmp_path), cls=Mamba3LM)
     ids = torch.randint(0, 29, (2, 9))
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
 
@@ -947,12 +948,12 @@ def test_the_published_layout_with_an_mlp_after_every_mixer_loads_strictly(tmp_p
     torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config(d_intermediate=48)))
     write_official_checkpoint(tmp_path, model, d_intermediate=48)
-    loaded = Mamba3LM.from_pretrained(str(tmp_path))
+    loaded = pretrained.load(str(tmp_path), cls=Mamba3LM)
     ids = torch.randint(0, 29, (2, 9))
     assert loaded.cfg.d_intermediate == 48 and torch.equal(loaded(ids), model(ids))
     write_official_checkpoint(tmp_path, Mamba3LM(small_config()), d_intermediate=48)
     with pytest.raises(ValueError, match=r"missing \['backbone.layers.0.mlp.fc1.weight'"):
-        Mamba3LM.from_pretrained(str(tmp_path))
+        pretrained.load(str(tmp_path), cls=Mamba3LM)
 
 
 def test_a_non_finite_input_poisons_its_chunk_and_later_ones_but_no_earlier_chunk():
