@@ -1,19 +1,19 @@
 """
-train_shakespeare.py: train a character-level Mamba on Tiny Shakespeare, then sample from it.
+train_shakespeare.py: train a character-level model on Tiny Shakespeare, then sample from it.
 
-    python train_shakespeare.py                             # on a CPU: 5 minutes of training
-    python train_shakespeare.py --arch gpt                  # the same-size GPT yardstick (or mamba2, mamba3)
-    python train_shakespeare.py --sample --prompt "ROMEO:"  # generate from the best checkpoint
-    torchrun --nproc_per_node=2 train_shakespeare.py        # data parallel (gloo on CPU, nccl on CUDA)
+    python train_shakespeare.py                                  # Mamba; on a CPU 5 minutes of training
+    python train_shakespeare.py --arch gpt --out-dir out-gpt     # the GPT yardstick, Mamba's size (or mamba2, mamba3)
+    python train_shakespeare.py --sample --prompt "ROMEO:"       # generate from out/best.pt
+    torchrun --nproc_per_node=2 train_shakespeare.py             # data parallel (gloo on CPU, nccl on CUDA)
 
-The first part reads in the order of nanoGPT's train.py; each call into the plumbing after it says
-what it does by its name or a comment. A run is time-based (--max-time, the CPU default: the learning
-rate, the evaluations and the stop follow the fraction of the budget spent) or iteration-based
-(--max-iters, the CUDA default).
+It reads as nanoGPT's train.py does: settings, data, model, the training loop, evaluation, sampling.
+After main() comes the plumbing that makes a run safe to interrupt and resume: the checks of the
+flags and of checkpoints, exact resumption, the device and its precision, torchrun's processes.
+A run is time-based (--max-time, the CPU default: the learning rate, the evaluations and the stop
+follow the share of the budget spent) or iteration-based (--max-iters, the CUDA default).
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -26,47 +26,50 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mamba_minimal import FUSED_BACKENDS, SCAN_BACKENDS, MambaConfig, MambaLM
+import mamba_engine
+from mamba_engine import FUSED_BACKENDS, SCAN_BACKENDS
+from mamba_minimal import MambaConfig, MambaLM
 
 # ------------------------------------------------------------------------------------------------
-# Settings: defaults per device and architecture; the flags (build_parser, in the plumbing) override them
+# Settings: defaults per device and architecture; every one has a flag (--d-model sets d_model)
 # ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
     # 0.83M parameters, 5 minutes: what won `python bench.py sweep` at that budget, as the GPT's below
     "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, lr=6e-3, beta2=0.95,
-                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto", max_time=300.0, num_evals=10),
-    # 5.8M parameters: the width and depth of nanoGPT's baby GPT
+                warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto", max_time=300.0,
+                num_evals=10),
+    # 5.81M parameters: the width and depth of nanoGPT's baby GPT. An evaluation is 2 x eval_iters
+    # forwards, each about half a training step at most: 20 steps' worth every 250, 8%
     "cuda": dict(d_model=384, n_layer=6, d_state=16, block_size=256, batch_size=64, max_iters=5000, lr=2e-3,
-                 beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=40, scan_backend="auto",
+                 beta2=0.95, warmup_iters=200, eval_interval=250, eval_iters=20, scan_backend="auto",
                  max_time=None, num_evals=20),
 }
-# max_time None: max_iters steps, an evaluation every eval_interval; else num_evals evaluations
-
-# What each other architecture changes in DEFAULTS, per device.
+# What each other architecture changes in DEFAULTS, per device
 ARCH_DEFAULTS = {
     "mamba": {},
     # Mamba-2: a larger state is cheap (the scan runs as matmuls); python bench.py mamba2_train
     "mamba2": {"cpu": dict(d_model=128, n_layer=7, d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
     # Mamba-3 at d_state 32: a CPU step costs about 1.04x Mamba-2's at 64 (python bench.py mamba3)
     "mamba3": {"cpu": dict(d_model=128, n_layer=7, d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick (gpt_minimal.py): nanoGPT's Shakespeare settings (config/train_shakespeare_char.py)
-    # without dropout; on a CPU the 2 x 192 shape that won the sweep at 300 s, on a GPU its baby GPT
+    # The yardstick (gpt_minimal.py), within 10% of Mamba's parameters: nanoGPT's Shakespeare settings
+    # (config/train_shakespeare_char.py) without dropout. On a CPU 2 x 192 (0.91M), the shape that won
+    # the sweep at 300 s; on a GPU the baby GPT's 6 layers and 6 heads at width 288 (6.07M), since its
+    # width 384 has 10.75M (--d-model 384 trains nanoGPT's baby GPT itself)
     "gpt": {"cpu": dict(d_model=192, n_layer=2, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
-            "cuda": dict(d_model=384, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
+            "cuda": dict(d_model=288, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                          max_iters=5000, lr_decay_iters=5000, max_time=None, d_state=None, scan_backend=None)},
 }
-
 # The same on every device, for every architecture
-COMMON = dict(seed=1337, weight_decay=0.1, grad_clip=1.0, log_interval=10, patience=0, temperature=0.8, num_chars=500)
+COMMON = dict(seed=1337, weight_decay=0.1, grad_clip=1.0, log_interval=10, patience=0, eval_share=0.1,
+              temperature=0.8, num_chars=500)
 DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 
 
 def parse_args(argv=None):
-    """The command line: a flag per setting above (--d-model sets d_model; --help lists them), None
-    where left out, until fill_defaults gives it its default."""
-    parser = build_parser()  # the flags and their help texts, in the plumbing
+    """The command line (build_parser, in the plumbing): None for each flag left out."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.given = flags_given(parser, argv, args)  # --resume takes every other flag from last.pt
     return args
@@ -94,19 +97,46 @@ def fill_defaults(args, device):
 
 
 def default_dtype(device, arch):
-    """--dtype's default: bf16 where the GPU computes in it (Ampere and later), fp16 with loss scaling
-    on older GPUs (T4, V100 emulate bf16, slowly); on a CPU with bf16 instructions bf16 for Mamba
-    (raced against fp32: a tie in loss, 7-13% more steps; see --help), else fp32."""
+    """bf16 on a GPU that computes in it (Ampere and later), fp16 with loss scaling on older ones;
+    on a CPU with bf16 instructions bf16 for Mamba and for the GPT it is raced against (like with
+    like), fp32 for the rest and on CPUs without them (there bf16 only converts to fp32 and back)."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-    return "bf16" if device.type == "cpu" and arch == "mamba" and cpu_computes_in_bf16() else "fp32"
+    return "bf16" if device.type == "cpu" and arch in ("mamba", "gpt") and cpu_computes_in_bf16() else "fp32"
+
+
+def cpu_computes_in_bf16():
+    """Whether the CPU has AVX-512-BF16 or AMX-BF16. MAMBA_CPU_BF16=0 says no, =1 yes, whatever the CPU."""
+    forced = os.environ.get("MAMBA_CPU_BF16")
+    if forced is not None:
+        if forced not in ("0", "1"):
+            sys.exit(f"error: MAMBA_CPU_BF16 must be 0 or 1, got {forced!r}")
+        return forced == "1"
+    capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch 2.9 and later
+    if capabilities is not None:
+        found = capabilities()
+        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
+    older = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(older and older())
 
 
 # ------------------------------------------------------------------------------------------------
-# Data
+# Data: characters to ids, 90% to train on, 10% to validate on
 # ------------------------------------------------------------------------------------------------
-# Set at start-up by torchrun: which process this is, of how many
-RANK, WORLD = 0, 1
+RANK, WORLD = 0, 1  # this process, of how many (torchrun sets them at the start)
+
+
+def load_data(args):
+    """(vocabulary, train ids, val ids) of --data, or of Tiny Shakespeare (downloaded if missing)."""
+    text = read_text(args.data)
+    chars = "".join(sorted(set(text)))
+    stoi = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
+    n_train = int(0.9 * len(data))
+    if len(data) - n_train <= args.block_size:
+        sys.exit(f"error: the text has {len(text)} characters; its 10% validation split ({len(data) - n_train}) "
+                 f"must be longer than one block ({args.block_size}). Use a longer text or a smaller --block-size.")
+    return chars, data[:n_train], data[n_train:]
 
 
 def get_batch(split, step, args, device):
@@ -127,22 +157,18 @@ def windows(split, starts, block_size, device):
 
 
 # ------------------------------------------------------------------------------------------------
-# The models: Mamba (mamba_minimal.py), Mamba-2 (mamba2_minimal.py), Mamba-3 (mamba3_minimal.py),
-# the GPT yardstick (gpt_minimal.py)
+# Model: Mamba (mamba_minimal.py), Mamba-2, Mamba-3, the GPT yardstick (gpt_minimal.py). A checkpoint
+# holds the architecture's fields; how the model runs (the engine, compiling) may change on resume.
 # ------------------------------------------------------------------------------------------------
 
 def model_kwargs(args, vocab_size):
-    """The config fields of --arch's model, e.g. MambaConfig(**model_kwargs(args, 65))."""
+    """The architecture's config fields, e.g. MambaConfig(**model_kwargs(args, 65))."""
     kw = dict(d_model=args.d_model, n_layer=args.n_layer, vocab_size=vocab_size)
     if args.arch == "mamba":
-        kw.update(d_state=args.d_state, scan_backend=args.scan_backend, compile_scan=args.compile,
-                  chunk_size=args.chunk_size or MambaConfig.chunk_size, recompute=args.recompute)
-    elif args.arch == "mamba2":
-        # chunks of 64: the official 256 would pad a 64-character block four times over
-        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size),
-                  compile_mixer=args.compile)
-    elif args.arch == "mamba3":
-        # Mamba-2's chunk length (SISO); MIMO divides it by the rank
+        kw.update(d_state=args.d_state)
+    elif args.arch == "mamba2":  # chunks of 64: the official 256 would pad a 64-character block four times
+        kw.update(d_state=args.d_state, headdim=args.headdim, chunk_size=min(64, args.block_size))
+    elif args.arch == "mamba3":  # Mamba-2's chunk length (SISO); MIMO divides it by the rank
         rank = args.mimo_rank or 1
         kw.update(d_state=args.d_state, headdim=args.headdim, is_mimo=args.mimo_rank is not None,
                   mimo_rank=rank, chunk_size=max(1, min(64, args.block_size) // rank))
@@ -151,31 +177,58 @@ def model_kwargs(args, vocab_size):
     return kw
 
 
+def run_options(args):
+    """How the model runs (run_as's options): Mamba's engine, Mamba-2's compiled mixer."""
+    if args.arch == "mamba":
+        return dict(backend=args.scan_backend, compile=args.compile, recompute=args.recompute,
+                    **({"chunk_size": args.chunk_size} if args.chunk_size else {}))
+    return dict(compile=args.compile)
+
+
+def build_model(arch, config, options=None):
+    """The model of --arch from its config fields (the flags' or a checkpoint's), run as options say."""
+    config_class, model_class = arch_classes(arch)
+    try:
+        return run_as(model_class(config_class(**config_fields(config, arch))), arch, options or {})
+    except (TypeError, ValueError) as err:
+        sys.exit(f"error: cannot build the {arch} model: {err}")
+
+
+def run_as(model, arch, options):
+    """Mamba opts in to mamba_engine.py (the trainer's default: its step is 1.3-1.4x as fast as the
+    lesson's code): the selective scan's hand-written backward, or with compile=True the fused path
+    through torch.compile. Mamba-2 compiles its mixers with compile=True. Returns the model."""
+    if arch == "mamba":
+        return mamba_engine.accelerate(model, **options)
+    if arch == "mamba2":
+        model.cfg.compile_mixer = bool(options.get("compile"))
+    return model
+
+
 # ------------------------------------------------------------------------------------------------
-# The learning rate
+# The training loop
 # ------------------------------------------------------------------------------------------------
 
-def lr_at(args, step, elapsed):
-    """The learning rate of the next step: nanoGPT's get_lr shape, a cosine from lr to min_lr over the
-    steps from --warmup-iters to --lr-decay-iters; a time-based run's cosine spans the fraction of
-    --max-time spent instead, from 0. Both warm up linearly over --warmup-iters steps: AdamW's
-    moment estimates need steps, however long a compiling first step takes."""
-    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0  # warmup done after the step
+def lr_at(args, step, elapsed, decay_start=-1.0, decay_lr=0.0):
+    """The learning rate of the next step: nanoGPT's get_lr, a cosine from --lr to --min-lr over the
+    steps from --warmup-iters to --lr-decay-iters, or in a time-based run over the seconds of
+    --max-time. Both warm up linearly over --warmup-iters steps (however long a compiling first step
+    takes). A resumed run whose budget changed goes on from decay_lr at decay_start (steps or seconds)."""
+    warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0
     if args.max_time is None:
         if step < args.warmup_iters:
             return args.lr * warm
-        progress, start, end = step, args.warmup_iters, args.lr_decay_iters
+        at, start, end = step, args.warmup_iters, args.lr_decay_iters
     else:
-        progress, start, end = elapsed / args.max_time, 0.0, 1.0
-    if progress >= end:
+        at, start, end = elapsed, 0.0, args.max_time
+    top = args.lr
+    if decay_start >= 0:
+        start, top = decay_start, decay_lr
+    if at >= end:
         return args.min_lr * warm
-    ratio = (progress - start) / (end - start)  # 0 -> 1 over the decay
-    return warm * (args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (args.lr - args.min_lr))
+    ratio = (at - start) / (end - start)  # 0 -> 1 over the decay
+    return warm * (args.min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (top - args.min_lr))
 
-
-# ------------------------------------------------------------------------------------------------
-# The loss and one training step
-# ------------------------------------------------------------------------------------------------
 
 def loss_fn(model, x, y, vocab_size, autocast):
     with autocast:
@@ -200,13 +253,125 @@ def train_step(model, optimizer, x, y, vocab_size, args, autocast, scaler=None):
         optimizer.step()
     else:
         scaler.step(optimizer)  # skipped if a gradient overflowed
-        scaler.update()  # a smaller scale after an overflow, a larger one after many good steps
+        scaler.update()
     return loss
+
+
+@dataclass
+class Progress:
+    """Where a run stands. Every checkpoint holds it, so --resume continues exactly from here."""
+    step: int = 0
+    best_val: float = math.inf
+    bad_evals: int = 0  # evaluations since the best one (for --patience)
+    elapsed: float = 0.0  # seconds of training, compiling and evaluating: what --max-time counts
+    tokens: int = 0
+    evals_done: int = 0  # time-based runs: how many of the budget's evaluation points have passed
+    stopped_early: bool = False  # --patience ended the run
+    eval_time: float = 0.0  # seconds of elapsed spent evaluating
+    eval_cost: float = 0.0  # the last evaluation's seconds
+    decay_start: float = -1.0  # lr_at's: >= 0 after a resume that changed the budget
+    decay_lr: float = 0.0
+
+
+class Run:
+    """What a training run holds: its data, model, optimizer and progress."""
+
+    def __init__(self, args, device, ddp, ckpt=None):
+        self.args, self.device = args, device
+        self.chars, self.train_data, self.val_data = load_data(args)
+        self.vocab_size = len(self.chars)
+        # the same windows at every evaluation: the curve measures the model, not the windows drawn
+        g = torch.Generator().manual_seed(1234)
+        n_eval = args.eval_iters * args.batch_size
+        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
+        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
+        self.raw_model = build_model(args.arch, model_kwargs(args, self.vocab_size), run_options(args)).to(device)
+        # fused: AdamW's update as a few kernels, not op by op
+        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
+                                           betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
+        self.autocast, self.scaler = precision(device, args.dtype)  # --dtype's autocast; fp16's GradScaler
+        self.p = Progress()
+        self.paths = {name: os.path.join(args.out_dir, name) for name in ("last.pt", "best.pt", "log.jsonl")}
+        if ckpt is not None:
+            resume(self, ckpt)  # model, optimizer, random state and progress of last.pt
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        log(f"{n_params / 1e6:.2f}M parameters, vocab {self.vocab_size}, {len(self.train_data):,} train / "
+            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
+            f"{torch.get_num_threads()} thread(s), {args.dtype}")
+        self.model = torch.compile(self.raw_model) if args.compile_model else self.raw_model
+        if ddp:  # DDP averages the gradients of all processes during backward
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def train(run):
+    args, p = run.args, run.p
+    tokens_per_step = args.batch_size * args.block_size * WORLD
+    t_start, elapsed_before, step_at_start = clock(), p.elapsed, p.step
+    last_line = (p.step, p.elapsed - p.eval_time)  # (step, seconds of training) at the last log line
+    if args.compile or args.compile_model:
+        compile_now(run)  # or, where no compiler works, go on eagerly
+    while not p.stopped_early and (p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time):
+        lr = lr_at(args, p.step, p.elapsed, p.decay_start, p.decay_lr)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(run.train_data, p.step, args, run.device)
+        loss = train_step(run.model, run.optimizer, x, y, run.vocab_size, args, run.autocast, run.scaler)
+        p.step += 1
+        p.tokens += tokens_per_step
+        # the only clock reading of a step; under torchrun process 0's, so that all decide alike
+        p.elapsed = rank0_value(elapsed_before + clock() - t_start, run.device)
+        first_step = p.step == step_at_start + 1  # holds start-up costs and any compiling: no rate from it
+        if p.step % args.log_interval == 0 or first_step:
+            dt = (p.elapsed - p.eval_time - last_line[1]) / (p.step - last_line[0])  # training only
+            last_line = (p.step, p.elapsed - p.eval_time)
+            log_progress(args, p, loss, lr, dt, tokens_per_step / dt, first_step)
+        if evaluation_due(args, p):
+            before = p.elapsed
+            losses = evaluate(run)
+            p.elapsed = rank0_value(elapsed_before + clock() - t_start, run.device)
+            p.eval_cost = p.elapsed - before
+            p.eval_time += p.eval_cost
+            record(run, **losses)
+
+
+def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
+    """One line of the log; reading the loss waits for the step, so only every few steps."""
+    loss_value = mean_over_processes(loss)
+    if not math.isfinite(loss_value):
+        sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
+                 f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
+    if args.max_time is None:
+        where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
+    else:
+        where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
+    speed = (f"first step {dt:.1f}s" if first_step else
+             f"{tokens_per_s:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
+    log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
 
 
 # ------------------------------------------------------------------------------------------------
 # Evaluation
 # ------------------------------------------------------------------------------------------------
+
+def evaluation_due(args, p):
+    """Iteration-based: every --eval-interval steps and at the end. Time-based: at the end of the
+    budget, and at the --num-evals equal fractions of it where evaluating stays within --eval-share
+    of the time spent (counting this evaluation and the one at the end; before the first one, an
+    evaluation is taken to cost --eval-iters training steps: 2 x eval-iters forwards of half a step)."""
+    if args.max_time is None:
+        return p.step % args.eval_interval == 0 or p.step == args.max_iters
+    if p.elapsed >= args.max_time:
+        return True
+    points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
+    if points <= p.evals_done:
+        return False
+    p.evals_done = points  # once, if one long step passes several points
+    if args.eval_share >= 1:
+        return True
+    cost = p.eval_cost or args.eval_iters * (p.elapsed - p.eval_time) / p.step
+    return p.eval_time + 2 * cost <= args.eval_share * p.elapsed
+
 
 @torch.no_grad()
 def mean_loss(model, split, starts, vocab_size, args, device, autocast):
@@ -224,6 +389,60 @@ def mean_loss(model, split, starts, vocab_size, args, device, autocast):
     return (total[0] / total[1]).item()
 
 
+def evaluate(run):
+    args = run.args
+    return {name: mean_loss(run.model, split, starts, run.vocab_size, args, run.device, run.autocast)
+            for name, split, starts in (("train_loss", run.train_data, run.train_starts),
+                                        ("val_loss", run.val_data, run.val_starts))}
+
+
+def record(run, train_loss, val_loss):
+    """An evaluation's log line and log.jsonl row; best.pt if it is the best so far, and last.pt."""
+    args, p = run.args, run.p
+    if not math.isfinite(val_loss):
+        sys.exit(f"error: the val loss is {val_loss} at step {p.step}: the run diverged; try a lower --lr "
+                 f"(now {args.lr:g})")
+    improved = val_loss < p.best_val
+    p.best_val = min(p.best_val, val_loss)
+    p.bad_evals = 0 if improved else p.bad_evals + 1
+    p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # in last.pt: stays stopped
+    log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}{' (best)' if improved else ''}, "
+        f"{p.elapsed:.0f}s | evaluating took {p.eval_cost:.1f}s, {p.eval_time / p.elapsed:.0%} of the time so far")
+    if p.stopped_early:
+        log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
+    if RANK == 0:
+        append_log(run, train_loss=train_loss, val_loss=val_loss)
+        if improved:
+            save_checkpoint(run, run.paths["best.pt"])
+        save_checkpoint(run, run.paths["last.pt"])
+
+
+def finish(run):
+    """The best checkpoint's loss on the whole val split, and a sample from it."""
+    args, p = run.args, run.p
+    if WORLD > 1:
+        dist.barrier()  # rank 0 has written best.pt
+    best = load_best(run)
+    # a model of its own, not compiled: the split's last batch may be a single window, which would
+    # compile again (torch specializes a batch of 1)
+    model = build_model(args.arch, best["config"], {**run_options(args), "compile": False}).to(run.device)
+    model.load_state_dict(best["model"])
+    starts = torch.arange(0, len(run.val_data) - args.block_size, args.block_size)
+    t0 = time.perf_counter()
+    full_val = mean_loss(model, run.val_data, starts, run.vocab_size, args, run.device, run.autocast)
+    log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): loss "
+        f"{full_val:.4f} (best checkpoint, step {best['step']}), {time.perf_counter() - t0:.1f}s")
+    log(f"evaluating took {p.eval_time:.0f}s of the run's {p.elapsed:.0f}s ({p.eval_time / max(p.elapsed, 1e-9):.0%})")
+    if run.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
+        log(f"peak GPU memory {torch.cuda.max_memory_allocated(run.device) / 2**30:.2f} GiB "
+            f"(torch.cuda.max_memory_allocated, --dtype {args.dtype})")
+    if RANK == 0:
+        append_log(run, full_val_loss=full_val)
+        if not args.no_sample:
+            print("-" * 80)
+            sample(model.eval(), run.chars, None, 300, args.temperature, args.top_k, run.device)
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling
 # ------------------------------------------------------------------------------------------------
@@ -236,135 +455,36 @@ def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None
     prompt = checked_prompt(prompt, chars)
     ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
     out.write(prompt)
+    # logits / 1e-38 overflow float32 (NaN probabilities); below 1e-30 sampling is greedy anyway
+    temperature = 0.0 if temperature < 1e-30 else temperature
     for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
         out.write(chars[token.item()])
         out.flush()
     out.write("\n")
 
 
-# ------------------------------------------------------------------------------------------------
-# The whole run
-# ------------------------------------------------------------------------------------------------
-
-class Run:
-    """One training run: set up fresh or resumed from last.pt, then train(), then finish()."""
-
-    def __init__(self, args, device, ddp, ckpt=None):
-        self.args, self.device, self.ddp = args, device, ddp
-        self.last_path = os.path.join(args.out_dir, "last.pt")
-        self.best_path = os.path.join(args.out_dir, "best.pt")
-        self.log_path = os.path.join(args.out_dir, "log.jsonl")
-
-        # ---------------------------------------------------------------- data
-        text = read_text(args.data)  # --data, or Tiny Shakespeare (downloaded if missing)
-        self.chars = "".join(sorted(set(text)))
-        self.vocab_size = len(self.chars)
-        stoi = {c: i for i, c in enumerate(self.chars)}
-        data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-        n_train = int(0.9 * len(data))
-        self.train_data, self.val_data = data[:n_train], data[n_train:]
-        check_val_split(len(text), len(self.val_data), args.block_size)  # a text too short: a clear error
-        # the same windows at every evaluation, so the curve measures the model, not the windows drawn
-        g = torch.Generator().manual_seed(1234)
-        n_eval = args.eval_iters * args.batch_size
-        self.val_starts = torch.randint(len(self.val_data) - args.block_size, (n_eval,), generator=g)
-        self.train_starts = torch.randint(len(self.train_data) - args.block_size, (n_eval,), generator=g)
-
-        # ---------------------------------------------------------------- model and optimizer
-        self.raw_model = build_model(args.arch, model_kwargs(args, self.vocab_size)).to(device)
-        # fused: AdamW's update as fused kernels, not op by op
-        self.optimizer = torch.optim.AdamW(self.raw_model.optim_groups(args.weight_decay), lr=args.lr,
-                                           betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
-        # torch.autocast(device.type, the --dtype), and for fp16 a GradScaler
-        self.autocast, self.scaler = precision(device, args.dtype)
-
-        # ---------------------------------------------------------------- fresh start or resume
-        self.p = Progress()  # step, elapsed time, best val loss, ...: what a checkpoint saves
-        start_or_resume(self, ckpt)  # a fresh --out-dir, or --resume's model, optimizer, progress
-        n_params = sum(p.numel() for p in self.raw_model.parameters())
-        log(f"{n_params / 1e6:.2f}M parameters, vocab {self.vocab_size}, {len(self.train_data):,} train / "
-            f"{len(self.val_data):,} val characters, device {device}, {WORLD} process(es), "
-            f"{torch.get_num_threads()} thread(s), {args.dtype}"
-            + (f", scan_backend {args.scan_backend}" if args.arch == "mamba" and args.scan_backend != "auto"
-               else ""))
-        self.model = wrap(self.raw_model, args.compile_model, ddp, device)  # compiled, DDP: as asked
-
-    def evaluate(self):
-        args, p = self.args, self.p
-        train_loss = mean_loss(self.model, self.train_data, self.train_starts, self.vocab_size, args, self.device,
-                               self.autocast)
-        val_loss = mean_loss(self.model, self.val_data, self.val_starts, self.vocab_size, args, self.device,
-                             self.autocast)
-        exit_if_diverged(val_loss, p.step, args)  # a NaN or exploding loss ends the run with a message
-        improved = val_loss < p.best_val
-        p.best_val = min(p.best_val, val_loss)
-        p.bad_evals = 0 if improved else p.bad_evals + 1
-        p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # in last.pt: stays stopped
-        log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}"
-            f"{' (best)' if improved else ''}, {p.elapsed:.0f}s")
-        if RANK == 0:
-            append_log(self, train_loss=train_loss, val_loss=val_loss)
-            if improved:
-                save_checkpoint(self, self.best_path)
-            save_checkpoint(self, self.last_path)
-
-    # -------------------------------------------------------------------- the loop
-    def train(self):
-        args, p = self.args, self.p
-        tokens_per_step = args.batch_size * args.block_size * WORLD
-        self.model.train()
-        t_start = t_last = clock()
-        step_at_last = step_at_start = p.step
-        elapsed_before = p.elapsed
-        if args.compile or args.compile_model:
-            compile_now(self)  # or, where no compiler works, go on eagerly
-        while not p.stopped_early and (p.step < args.max_iters if args.max_time is None
-                                       else p.elapsed < args.max_time):
-            lr = lr_at(args, p.step, p.elapsed)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            x, y = get_batch(self.train_data, p.step, args, self.device)
-            loss = train_step(self.model, self.optimizer, x, y, self.vocab_size, args, self.autocast, self.scaler)
-            p.step += 1
-            p.tokens += tokens_per_step
-            now = clock()  # the only clock reading of the step
-            p.elapsed = rank0_clock(elapsed_before + now - t_start, args, self.device)  # torchrun: one clock for all
-            first_step = p.step == step_at_start + 1  # holds start-up costs and any compiling: no rate from it
-            if p.step % args.log_interval == 0 or first_step:
-                dt = (now - t_last) / max(1, p.step - step_at_last)  # seconds per step since the last line
-                t_last, step_at_last = now, p.step
-                log_progress(args, p, loss, lr, dt, tokens_per_step / dt, first_step)
-            if args.max_time is None:
-                due = p.step % args.eval_interval == 0 or p.step == args.max_iters
-            else:  # at each k/num_evals of the budget (once, if one long step passes several), and at its end
-                points = min(args.num_evals, int(p.elapsed * args.num_evals / args.max_time))
-                due = points > p.evals_done or p.elapsed >= args.max_time
-                p.evals_done = points
-            if due:
-                self.evaluate()
-                if p.stopped_early:
-                    log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
-
-    # -------------------------------------------------------------------- the end
-    def finish(self):
-        """The best checkpoint's loss on the whole val split, and a sample from it."""
-        args = self.args
-        if WORLD > 1:
-            dist.barrier()  # rank 0 has finished writing best.pt
-        self.raw_model.load_state_dict(load_best(self)["model"])  # this run's (see start_or_resume)
-        starts = torch.arange(0, len(self.val_data) - args.block_size, args.block_size)
-        # eager, even after --compile: the split's last batch may be a single window, which would compile
-        # again (torch specializes a batch of 1)
-        set_compiled(self.raw_model, False)
-        full_val = mean_loss(self.raw_model, self.val_data, starts, self.vocab_size, args, self.device, self.autocast)
-        log(f"full val split ({len(starts) * args.block_size:,} characters in windows of {args.block_size}): "
-            f"loss {full_val:.4f} (best checkpoint)")
-        log_peak_memory(self)
-        if RANK == 0:
-            append_log(self, full_val_loss=full_val)
-            if not args.no_sample:
-                print("-" * 80)
-                sample(self.raw_model.eval(), self.chars, None, 300, args.temperature, args.top_k, self.device)
+def load_for_sampling(args, device):
+    """--sample: the checkpoint's model, uncompiled (a prompt is read once), and the checkpoint."""
+    path = args.checkpoint or os.path.join(args.out_dir, "best.pt")
+    if not os.path.exists(path):
+        sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
+    ckpt = load_checkpoint(path)
+    try:
+        checked_prompt(args.prompt, ckpt["vocab"])
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    arch = ckpt.get("arch", "mamba")
+    model = build_model(arch, ckpt["config"], {"compile": False})
+    try:
+        model.load_state_dict(ckpt["model"])
+    except (RuntimeError, TypeError, AttributeError) as err:
+        sys.exit(f"error: {path}'s weights do not match its own config (a damaged or hand-made checkpoint): "
+                 f"{first_line(err)}")
+    n_params = sum(p.numel() for p in model.parameters())
+    step = ckpt.get("step", "?")
+    print(f"sampling {path}: {arch}, {n_params / 1e6:.2f}M parameters, step {step}, val {ckpt.get('best_val', math.nan):.4f}",
+          file=sys.stderr, flush=True)
+    return model.to(device).eval(), ckpt
 
 
 def main(argv=None):
@@ -374,24 +494,22 @@ def main(argv=None):
     fill_defaults(args, device)
     torch.manual_seed(args.seed)
     if args.sample:
-        model, sampled = load_for_sampling(args, device)  # and the prompt checked against its vocabulary
+        model, sampled = load_for_sampling(args, device)
         if RANK == 0:
             sample(model, sampled["vocab"], args.prompt, args.num_chars, args.temperature, args.top_k, device)
     else:
-        check_out_dir(args.out_dir)
+        prepare_out_dir(args)  # writable; an earlier run there is continued (--resume) or replaced (--overwrite)
         run = Run(args, device, ddp, ckpt)
-        run.train()
-        run.finish()
+        train(run)
+        finish(run)
         del run  # and with it DDP's hold on the process group (see end_processes)
     if ddp:
         end_processes()
 
 
 # ================================================================================================
-# Plumbing. The training script ends above; what follows makes a run safe to use and to resume:
-# reading and checking the text, building a model by name, the checks of the command line, the
-# device and precision, compiling, the clock and the log, atomic checkpoints, exact resumption,
-# and several processes under torchrun.
+# Plumbing: reading the text, the command line and its checks, the device and precision, compiling,
+# the log, atomic checkpoints, exact resumption, and torchrun's processes.
 # ================================================================================================
 
 DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -428,22 +546,14 @@ def download_shakespeare(path):
             with urllib.request.urlopen(DATA_URL, timeout=30) as r:
                 data = r.read()
         except OSError as err:  # no network: data/ is git-ignored, so a copied checkout lacks the file
-            sys.exit(f"error: could not download {DATA_URL} ({err}).\nWithout a network, copy "
-                     f"Tiny Shakespeare (or any UTF-8 text) to {os.path.abspath(path)}, or pass "
-                     f"--data PATH.")
+            sys.exit(f"error: could not download {DATA_URL} ({err}).\nWithout a network, copy Tiny Shakespeare "
+                     f"(or any UTF-8 text) to {os.path.abspath(path)}, or pass --data PATH.")
         tmp = path + ".part"
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     if WORLD > 1:
         dist.barrier()  # the other processes wait for the file
-
-
-# model flags that only some architectures have
-ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
-              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",),
-              "chunk_size": ("mamba",), "recompute": ("mamba",)}
-FUSED_FLAGS = ("chunk_size", "recompute")  # mamba: flags of the fused path (--compile or --scan-backend fused)
 
 
 def arch_classes(arch):
@@ -463,24 +573,27 @@ def arch_classes(arch):
         sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
 
 
-def build_model(arch, config):
-    """config: a dict of the architecture's config fields, from the flags or a checkpoint."""
-    config_class, model_class = arch_classes(arch)
-    try:
-        return model_class(config_class(**config))
-    except (TypeError, ValueError) as err:
-        sys.exit(f"error: cannot build the {arch} model: {err}")
 
 
-def config_dict(model):
-    return dict(vars(model.cfg))
+# How a model runs, not what it is: never part of a checkpoint's config. The trainer saved these in
+# Mamba's config before mamba_engine.py had them, with the plain values of the hybrid fields that
+# hybrid.py has now: both are dropped on loading, so those checkpoints load and resume.
+RUN_FIELDS = ("scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer")
+PLAIN_FIELDS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_norm=True, selection_off=False)
 
 
-def set_compiled(model, value):
-    """Turn the compiled path of a Mamba or Mamba-2 model on or off (a no-op for the GPT)."""
-    for field in ("compile_scan", "compile_mixer"):  # Mamba's and Mamba-2's
-        if hasattr(model.cfg, field):
-            setattr(model.cfg, field, value)
+def config_fields(config, arch):
+    """A checkpoint's config as the config class takes it."""
+    known = {f.name for f in fields(arch_classes(arch)[0])}
+    run = RUN_FIELDS if arch == "mamba" else ("compile_mixer",)
+    return {k: v for k, v in config.items() if k not in run and (k in known or PLAIN_FIELDS.get(k, ...) != v)}
+
+
+def same_model(a, b, arch):
+    """Whether two configs build the same model (Mamba-2's chunk_size and scan_backend only say how)."""
+    def identity(config):
+        return {k: v for k, v in config_fields(config, arch).items() if k not in ("chunk_size", "scan_backend")}
+    return identity(a) == identity(b)
 
 
 def build_parser():
@@ -492,14 +605,16 @@ def build_parser():
     p.add_argument("--seed", type=int)
     m = p.add_argument_group("model (defaults depend on the device and the architecture)")
     m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"], help="mamba (default), mamba2, mamba3, "
-                   "or gpt (the yardstick); --resume and --sample read it from the checkpoint")
+                   "or gpt (the yardstick, within 10%% of Mamba's parameters); --resume and --sample read it "
+                   "from the checkpoint")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
     m.add_argument("--d-state", type=int, help="mamba, mamba2, mamba3: the SSM state size N")
     m.add_argument("--headdim", type=int, help="mamba2, mamba3: channels per head")
     m.add_argument("--mimo-rank", type=int, help="mamba3: MIMO of this rank R (default: SISO)")
     m.add_argument("--n-head", type=int, help="gpt: attention heads")
-    m.add_argument("--scan-backend", choices=SCAN_BACKENDS, help="mamba: how the selective scan runs")
+    m.add_argument("--scan-backend", choices=SCAN_BACKENDS, help="mamba: how the selective scan runs "
+                   "(mamba_engine.accelerate's backend; reference: the lesson's code as written)")
     m.add_argument("--compile", action="store_true", help="mamba: the scan's fused path, compiled (it pays at "
                    "--d-state 16, not at the CPU default's 2); mamba2: torch.compile each mixer")
     m.add_argument("--chunk-size", type=int, help="mamba, fused path: steps per chunk (default 16)")
@@ -518,31 +633,99 @@ def build_parser():
     t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
     t.add_argument("--weight-decay", type=float)
     t.add_argument("--grad-clip", type=float)
-    t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations")
-    t.add_argument("--num-evals", type=int, help="time-based: evaluations, at equal fractions of the budget")
-    t.add_argument("--eval-iters", type=int, help="batches of fixed val windows per evaluation")
+    t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations (the CUDA "
+                   "default's evaluations cost at most about 8%% of the steps)")
+    t.add_argument("--num-evals", type=int, help="time-based: evaluation points, at equal fractions of the budget")
+    t.add_argument("--eval-share", type=float, help="time-based: the share of the time spent that evaluating may "
+                   "take (default 0.1; 1: every point). A point is skipped unless the evaluations so far, this one and the one "
+                   "at the end of the budget fit in it; before the first one, an evaluation is taken to cost "
+                   "--eval-iters training steps. The log's ms/it and tok/s count training only")
+    t.add_argument("--eval-iters", type=int, help="batches of fixed train and val windows per evaluation")
     t.add_argument("--log-interval", type=int)
     t.add_argument("--patience", type=int, help="stop after this many evals without improvement (0: never)")
-    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help=DTYPE_HELP)
+    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="the precision of the matmuls, through "
+                   "torch.autocast; the weights, the optimizer and the SSM state stay fp32. Default: bf16 on a "
+                   "GPU that computes in it, else fp16 with loss scaling; on a CPU with AVX-512-BF16 or AMX-BF16 "
+                   "bf16 for mamba and gpt (MAMBA_CPU_BF16=0 or 1 overrides the detection), else fp32")
     t.add_argument("--resume", action="store_true", help="continue <out-dir>/last.pt with its flags (one given "
-                   "again applies); on a CPU the log equals an uninterrupted run's but for 'elapsed'")
+                   "again applies; a larger budget continues the learning rate from its last value)")
+    t.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir (without it, a new "
+                   "run refuses an --out-dir that holds one)")
     t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
     s.add_argument("--checkpoint", help="checkpoint to sample from (default <out-dir>/best.pt)")
     s.add_argument("--prompt", help="the text to continue (default: a newline, or the text's first character)")
     s.add_argument("--num-chars", type=int)
-    s.add_argument("--temperature", type=float)
+    s.add_argument("--temperature", type=float, help="0 (or below 1e-30): greedy")
     s.add_argument("--top-k", type=int)
     return p
 
 
 def flags_given(parser, argv, args):
-    """The flags the command line gave, by name: argparse fills in a default only where the
-    namespace lacks the attribute, so a second parse into a namespace of sentinels tells them apart."""
+    """The flags the command line gave: a second parse into a namespace of sentinels tells them
+    apart, since argparse fills in a default only where the namespace lacks the attribute."""
     unset = object()
     seen = parser.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
     return sorted(k for k, v in vars(seen).items() if v is not unset)
+
+
+def flag(key):
+    """The command-line name of args.key."""
+    return "--no-recompute" if key == "recompute" else "--" + key.replace("_", "-")
+
+
+ARCH_FLAGS = {"d_state": ("mamba", "mamba2", "mamba3"), "headdim": ("mamba2", "mamba3"), "n_head": ("gpt",),
+              "scan_backend": ("mamba",), "compile": ("mamba", "mamba2"), "mimo_rank": ("mamba3",),
+              "chunk_size": ("mamba",), "recompute": ("mamba",)}  # flags that only some architectures have
+FUSED_FLAGS = ("chunk_size", "recompute")  # mamba: the fused path's (--compile or --scan-backend fused)
+ITERATION_FLAGS = ("max_iters", "lr_decay_iters", "eval_interval")
+TIME_FLAGS = ("max_time", "num_evals", "eval_share")
+
+
+def check_flags(args):
+    """Refuse the flags that would be silently ignored: another architecture's, the fused path's
+    without it, those of the other kind of run; and the numbers that would fail minutes later."""
+    given = set(args.given)
+    if {"max_iters", "max_time"} <= given:
+        sys.exit("error: give --max-iters (an iteration-based run) or --max-time (a time-based run), not both")
+    if args.resume and args.overwrite:
+        sys.exit("error: --resume continues the run in --out-dir, --overwrite replaces it: choose one")
+    wrong = [k for k, archs in ARCH_FLAGS.items() if k in given and args.arch not in archs]
+    if wrong:
+        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to --arch {args.arch}")
+    if args.scan_backend == "reference" and args.compile:
+        sys.exit("error: --scan-backend reference runs the lesson's code, --compile the fused path: choose one")
+    unfused = [k for k in FUSED_FLAGS if k in given]
+    if unfused and not (args.compile or args.scan_backend in FUSED_BACKENDS):
+        sys.exit(f"error: {', '.join(flag(k) for k in unfused)} applies to the fused path only: add --compile "
+                 f"or --scan-backend fused")
+    wrong = [k for k in given if k in (ITERATION_FLAGS if args.max_time is not None else TIME_FLAGS)]
+    if wrong:
+        kind = "a time-based (--max-time)" if args.max_time is not None else "an iteration-based (--max-iters)"
+        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to {kind} run")
+    check_numbers(args)
+
+
+def check_numbers(args):
+    def need(ok, key, what):
+        if not ok:
+            sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
+
+    for key in ("d_model", "n_layer", "d_state", "headdim", "mimo_rank", "n_head", "chunk_size", "block_size",
+                "batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "num_evals"):
+        need(getattr(args, key) is None or getattr(args, key) >= 1, key, "at least 1")
+    for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
+        need(getattr(args, key) is None or getattr(args, key) >= 0, key, "0 or more")
+    need(args.max_time is None or 0 < args.max_time < math.inf, "max_time", "a positive number of seconds")
+    need(0 < args.eval_share <= 1, "eval_share", "in (0, 1]")
+    fp32_max = torch.finfo(torch.float32).max  # the optimizer computes in the parameters' fp32
+    need(0 < args.lr <= fp32_max, "lr", f"a positive finite number (at most float32's {fp32_max:.2e})")
+    for key in ("min_lr", "weight_decay", "grad_clip", "temperature"):
+        need(0 <= getattr(args, key) <= fp32_max, key, f"a finite number >= 0 (at most float32's {fp32_max:.2e})")
+    need(0 <= args.seed < 2 ** 32, "seed", "in [0, 2**32)")  # the batch seeds derived from it fit in 64 bits
+    need(args.top_k is None or args.top_k >= 1, "top_k", "at least 1")
+    need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
 
 
 def pick_device(name):
@@ -562,28 +745,6 @@ def pick_device(name):
     return device
 
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-DTYPE_HELP = ("the precision of the matmuls, through torch.autocast; the weights, the optimizer and the SSM "
-              "state stay fp32. Default: bf16 on a GPU that computes in it, fp16 with loss scaling on older "
-              "GPUs (fp16 is meant for those GPUs); on a CPU, bf16 for --arch mamba "
-              "where the CPU has bf16 instructions (AVX-512-BF16 or AMX-BF16), else fp32. Raced on a 2-core "
-              "Intel Xeon VM with AVX-512-BF16 and AMX, `python bench.py race --racers mamba_fp32,mamba_bf16 "
-              "--max-time 300 --together`, eight pairs: bf16's best val from 0.003 above fp32's to 0.020 below; "
-              "on the quiet machine 7-13%% more steps (RESULTS.md)")
-
-
-def cpu_computes_in_bf16():
-    """Whether the CPU has bf16 instructions (x86's AVX-512-BF16 or AMX-BF16); without them bf16
-    autocast only converts to fp32 and back. torch.cpu.get_capabilities reads cpuinfo (torch 2.9
-    and later); older versions have torch.cpu._is_avx512_bf16_supported, the same check."""
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if capabilities is not None:
-        found = capabilities()
-        return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
-    older = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(older and older())
-
-
 def precision(device, dtype):
     """(autocast context, GradScaler or None) for --dtype. fp16's range ends at 65504 and small
     gradients flush to zero in it: the GradScaler multiplies the loss before backward and divides
@@ -593,71 +754,39 @@ def precision(device, dtype):
     if not torch.amp.is_autocast_available(device.type):
         sys.exit(f"error: --dtype {dtype} needs torch.autocast on {device.type}, which this torch "
                  f"{torch.__version__} does not have; use --dtype fp32")
-    autocast = torch.autocast(device.type, dtype=AUTOCAST_DTYPES[dtype])
+    autocast = torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
     if not getattr(autocast, "_enabled", True):  # torch turned it off with a warning: no such autocast here
         sys.exit(f"error: --dtype {dtype}: torch {torch.__version__} has no {dtype} autocast on {device.type}; "
                  f"use --dtype fp32")
     return autocast, torch.amp.GradScaler(device.type) if dtype == "fp16" else None
 
 
-ITERATION_FLAGS = ("max_iters", "lr_decay_iters", "eval_interval")
-TIME_FLAGS = ("max_time", "num_evals")
-
-
-def flag(key):
-    """The command-line name of args.key."""
-    return "--no-recompute" if key == "recompute" else "--" + key.replace("_", "-")
-
-
-def check_flags(args):
-    """Refuse the flags that would be silently ignored: another architecture's, the fused path's
-    without it, and those of the other kind of run (time-based or iteration-based)."""
-    given = set(args.given)
-    if {"max_iters", "max_time"} <= given:
-        sys.exit("error: give --max-iters (an iteration-based run) or --max-time (a time-based run), not both")
-    wrong = [k for k, archs in ARCH_FLAGS.items() if k in given and args.arch not in archs]
-    if wrong:
-        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to --arch {args.arch}")
-    if args.scan_backend == "reference" and args.compile:
-        sys.exit("error: --scan-backend reference runs sections 2-3 as written, --compile the fused path: choose one")
-    unfused = [k for k in FUSED_FLAGS if k in given]
-    if unfused and not (args.compile or args.scan_backend in FUSED_BACKENDS):
-        sys.exit(f"error: {', '.join(flag(k) for k in unfused)} applies to the fused path only: add --compile "
-                 f"or --scan-backend fused")
-    wrong = [k for k in given if k in (ITERATION_FLAGS if args.max_time is not None else TIME_FLAGS)]
-    if wrong:
-        kind = "a time-based (--max-time)" if args.max_time is not None else "an iteration-based (--max-iters)"
-        sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to {kind} run")
-    if args.max_time is not None and not (math.isfinite(args.max_time) and args.max_time > 0):
-        sys.exit(f"error: --max-time must be a positive number of seconds, got {args.max_time}")
-    check_numbers(args)
-
-
-def check_numbers(args):
-    """Refuse at the start what would otherwise fail (or silently mislead) minutes later."""
-    def need(ok, key, what):
-        if not ok:
-            sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
-
-    for key in ("d_model", "n_layer", "d_state", "headdim", "mimo_rank", "n_head", "chunk_size", "block_size",
-                "batch_size", "max_iters", "eval_interval", "eval_iters", "log_interval", "num_evals"):
-        value = getattr(args, key)
-        need(value is None or value >= 1, key, "at least 1")
-    for key in ("warmup_iters", "lr_decay_iters", "patience", "num_chars"):
-        value = getattr(args, key)
-        need(value is None or value >= 0, key, "0 or more")
-    fp32_max = torch.finfo(torch.float32).max  # the optimizer computes in the parameters' fp32
-    need(0 < args.lr <= fp32_max, "lr", f"a positive finite number (at most float32's {fp32_max:.2e})")
-    for key in ("min_lr", "weight_decay", "grad_clip", "temperature"):
-        need(0 <= getattr(args, key) <= fp32_max, key, f"a finite number >= 0 (at most float32's {fp32_max:.2e})")
-    need(0 <= args.seed < 2 ** 32, "seed", "in [0, 2**32)")  # the batch seeds derived from it fit in 64 bits
-    need(args.top_k is None or args.top_k >= 1, "top_k", "at least 1")
-    need(0 <= args.beta2 < 1, "beta2", "in [0, 1)")
+def compile_now(run):
+    """torch.compile compiles at a model's first calls: make them before the loop, in one try (a
+    training forward and backward, an evaluation's forward). Where no compiler works (no C++
+    compiler on a CPU, a GPU that Triton does not support): a note, and the run trains eagerly."""
+    args = run.args
+    log("compiling before the first step: tens of seconds on a CPU ...")
+    x, y = get_batch(run.train_data, run.p.step, args, run.device)
+    try:
+        loss_fn(run.model, x, y, run.vocab_size, run.autocast).backward()
+        run.model.eval()
+        with torch.no_grad():
+            loss_fn(run.model, x, y, run.vocab_size, run.autocast)
+    except Exception as err:  # whatever the compiler raised: the eager model is tried next
+        log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
+        args.compile = args.compile_model = False
+        run_as(run.raw_model, args.arch, run_options(args))
+        run.model = run.raw_model if WORLD == 1 else torch.nn.parallel.DistributedDataParallel(
+            run.raw_model, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+    finally:
+        run.model.train()
+        run.optimizer.zero_grad(set_to_none=True)
 
 
 def clock():
-    """Seconds on a monotonic clock. The loop reads time only through this function, once per
-    step, so a test can replace it with a fake clock and check a time-based run exactly."""
+    """Seconds on a monotonic clock. The loop reads time only through this function (once per step
+    and once per evaluation), so a test can replace it with a fake clock."""
     return time.perf_counter()
 
 
@@ -671,21 +800,86 @@ def first_line(err):
     return text.splitlines()[0] if text else ""
 
 
+def checked_prompt(prompt, chars):
+    """The prompt, or by default a newline (or, in a text without one, its first character). A
+    character outside the vocabulary is a ValueError."""
+    if not prompt:
+        prompt = "\n" if "\n" in chars else chars[0]
+    unknown = sorted(set(prompt) - set(chars))
+    if unknown:
+        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
+    return prompt
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints and the log: atomic writes, exact resumption
+# ------------------------------------------------------------------------------------------------
+RUN_FILES = ("last.pt", "best.pt", "log.jsonl")
+
+
+def prepare_out_dir(args):
+    """Fail now, not at the first evaluation, if --out-dir cannot be written. An earlier run there
+    is continued (--resume) or replaced (--overwrite), never deleted unasked."""
+    out = args.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        sys.exit(f"error: --out-dir {out} is a file; expected a directory (it is created if missing)")
+    earlier = [name for name in RUN_FILES if os.path.exists(os.path.join(out, name))]
+    if earlier and not (args.resume or args.overwrite):
+        sys.exit(f"error: --out-dir {out} holds an earlier run ({', '.join(earlier)}): give --resume to continue "
+                 f"it, --overwrite to replace it, or another --out-dir")
+    if RANK != 0:
+        return
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, f".write-test{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as err:
+        sys.exit(f"error: cannot write to --out-dir {out} ({err.strerror or err})")
+    for name in os.listdir(out):  # a save that was killed leaves a temporary file
+        if name.startswith(tuple(f"{f}.tmp" for f in RUN_FILES)) or (args.overwrite and name in RUN_FILES):
+            os.remove(os.path.join(out, name))
+
+
+def write_text(path, text, append=False):
+    """Write (through a temporary file, then a rename) or append text; a full or read-only disk is a
+    one-line error."""
+    tmp = path if append else f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "a" if append else "w", encoding="utf-8") as f:
+            f.write(text)
+        if not append:
+            os.replace(tmp, path)
+    except OSError as err:
+        if not append and os.path.exists(tmp):
+            os.remove(tmp)
+        sys.exit(f"error: could not write {path} (disk full or read-only?): {err.strerror or err}")
+
+
 def atomic_save(obj, path):
-    """Write to a temporary file, then rename: an interrupted or failed save never leaves a broken
-    file, and the checkpoint saved before at path stays (a killed save leaves a stray temporary file,
-    which the next run removes)."""
+    """torch.save to a temporary file, then a rename: an interrupted or failed save leaves the
+    checkpoint saved before at path (a killed save leaves a temporary file, which the next run removes)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as err:  # a full disk: torch's zip writer raises RuntimeError
-        with contextlib.suppress(OSError):
+        if os.path.exists(tmp):
             os.remove(tmp)
         sys.exit(f"error: could not write {path} (disk full?): {type(err).__name__}: {first_line(err)}")
 
 
-CHECKPOINT_KEYS = ("model", "config", "vocab")
+def save_checkpoint(run, path):
+    config = {k: v for k, v in vars(run.raw_model.cfg).items() if k != "compile_mixer"}
+    atomic_save({"model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(),
+                 "arch": run.args.arch, "config": config, "vocab": run.chars, "torch_rng": torch.get_rng_state(),
+                 "args": vars(run.args), **asdict(run.p),
+                 **({"scaler": run.scaler.state_dict()} if run.scaler is not None else {})}, path)
+
+
+def append_log(run, **losses):  # one JSON object per line in log.jsonl
+    row = {"step": run.p.step, "elapsed": round(run.p.elapsed, 2), "tokens": run.p.tokens, **losses}
+    write_text(run.paths["log.jsonl"], json.dumps(row) + "\n", append=True)
 
 
 def load_checkpoint(path):
@@ -696,14 +890,13 @@ def load_checkpoint(path):
     except Exception as err:  # a truncated zip, a foreign pickle, a directory ...
         sys.exit(f"error: cannot load checkpoint {path}: it is truncated, not a checkpoint, or holds "
                  f"objects other than tensors and plain values ({type(err).__name__}: {first_line(err)})")
-    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    missing = [k for k in ("model", "config", "vocab") if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         sys.exit(f"error: {path} is not a checkpoint of this trainer (it lacks {missing})")
-    arch = ckpt.get("arch", "mamba")
+    arch, config, vocab, model = ckpt.get("arch", "mamba"), ckpt["config"], ckpt["vocab"], ckpt["model"]
     if not isinstance(arch, str) or arch not in ARCH_DEFAULTS:
         sys.exit(f"error: {path} holds an unknown architecture {arch!r} (this trainer builds "
                  f"{', '.join(ARCH_DEFAULTS)})")
-    config, vocab, model = ckpt["config"], ckpt["vocab"], ckpt["model"]
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
         damaged(path, f"its config is {type(config).__name__}, not a dict of fields")
     if not isinstance(vocab, str) or not vocab:
@@ -712,9 +905,8 @@ def load_checkpoint(path):
         damaged(path, f"its vocab has {len(vocab)} characters, its config's vocab_size is {config.get('vocab_size')!r}")
     if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
         damaged(path, "its model is not a dict of tensors")
-    if arch == "mamba3" and "A_activation" not in config:
-        # saved before Mamba-3's A followed official main: its weights were trained with softplus
-        config["A_activation"] = "softplus"
+    if arch == "mamba3" and "A_activation" not in config:  # saved before Mamba-3's A followed official
+        config["A_activation"] = "softplus"  # main: its weights were trained with -softplus(dd_A)
     return ckpt
 
 
@@ -724,194 +916,11 @@ def damaged(path, what):
 
 def fits(value, kind):
     """A value read from a checkpoint is of the kind a flag or a counter has (bool is not an int)."""
-    if kind is bool:
-        return isinstance(value, bool)
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if kind in (bool, int):
+        return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if kind is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     return isinstance(value, kind)
-
-
-def truncate_log(log_path, step):
-    """On resume: keep the evaluations up to the checkpoint's step. A run killed after writing a
-    row but before saving last.pt would otherwise repeat that row; a finished run's final row
-    (full_val_loss) belongs to an end that the resumed run will reach again."""
-    rows = []
-    if os.path.exists(log_path):
-        with open(log_path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by the kill
-                    continue
-                if not isinstance(row, dict) or not isinstance(row.get("step"), int):  # damaged bytes
-                    continue
-                if "val_loss" in row and row["step"] <= step:
-                    rows.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{log_path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(rows)
-    os.replace(tmp, log_path)
-
-
-def stray_temporaries(out_dir):
-    return [os.path.join(out_dir, f) for f in os.listdir(out_dir)
-            if f.startswith(("last.pt.tmp", "best.pt.tmp", "log.jsonl.tmp"))]
-
-
-def check_out_dir(out_dir):
-    """Fail now, not at the first evaluation minutes from now, if the checkpoints cannot be written
-    (checked by rank 0, the process that writes them)."""
-    if RANK != 0:
-        return
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        sys.exit(f"error: --out-dir {out_dir} is a file; expected a directory (it is created if missing)")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write-test{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as err:
-        sys.exit(f"error: cannot write to --out-dir {out_dir} ({err.strerror or err})")
-
-
-def check_val_split(n_chars, n_val, block_size):
-    if n_val <= block_size:
-        sys.exit(f"error: the text has {n_chars} characters; its 10% validation split "
-                 f"({n_val}) must be longer than one block ({block_size}). "
-                 f"Use a longer text or a smaller --block-size.")
-
-
-def exit_if_diverged(val_loss, step, args):
-    if not math.isfinite(val_loss):
-        sys.exit(f"error: the val loss is {val_loss} at step {step}: the run diverged; "
-                 f"try a lower --lr (now {args.lr:g})")
-
-
-def checked_prompt(prompt, chars):
-    """The prompt, or by default a newline (a text without one has none in its vocabulary: then its
-    first character). A character outside the vocabulary is a ValueError."""
-    if not prompt:
-        prompt = "\n" if "\n" in chars else chars[0]
-    unknown = sorted(set(prompt) - set(chars))
-    if unknown:
-        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
-    return prompt
-
-
-def rank0_value(x, device):
-    """The float x as process 0 holds it, in every process."""
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.broadcast(t, src=0)
-    return t.item()
-
-
-def rank0_clock(elapsed, args, device):
-    """A time-based run under torchrun: rank 0's elapsed time, in every process. The processes'
-    clocks differ by milliseconds: each deciding on its own clock whether an eval point or the end
-    has passed would, near one, send them into different collectives."""
-    if args.max_time is not None and WORLD > 1:
-        return rank0_value(elapsed, device)
-    return elapsed
-
-
-def mean_over_processes(loss):
-    """The training loss averaged over all processes (each saw its own batch), as a float."""
-    loss = loss.detach().float()
-    if WORLD > 1:
-        loss = loss.clone()
-        dist.all_reduce(loss)
-        loss /= WORLD
-    return loss.item()
-
-
-def wrap(raw_model, compile_model, ddp, device):
-    """The model the loop calls: maybe compiled whole, maybe wrapped for data parallelism (DDP
-    averages the gradients of all processes during backward)."""
-    model = torch.compile(raw_model) if compile_model else raw_model
-    if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return model
-
-
-def load_for_sampling(args, device):
-    path = args.checkpoint or os.path.join(args.out_dir, "best.pt")
-    if not os.path.exists(path):
-        sys.exit(f"error: no checkpoint at {path}; train first or pass --checkpoint")
-    ckpt = load_checkpoint(path)
-    try:
-        checked_prompt(args.prompt, ckpt["vocab"])
-    except ValueError as err:
-        sys.exit(f"error: {err}")
-    model = build_model(ckpt.get("arch", "mamba"), ckpt["config"])
-    set_compiled(model, False)  # a prompt is read once: compiling for it costs more than it saves
-    try:
-        model.load_state_dict(ckpt["model"])
-    except (RuntimeError, TypeError, AttributeError) as err:
-        sys.exit(f"error: {path}'s weights do not match its own config (a damaged or hand-made checkpoint): "
-                 f"{first_line(err)}")
-    return model.to(device).eval(), ckpt
-
-
-RUNTIME_FIELDS = ("scan_backend", "compile_scan", "compile_mixer", "chunk_size", "recompute")  # free to change on resume
-
-
-def model_identity(config):
-    return {k: v for k, v in config.items() if k not in RUNTIME_FIELDS}
-
-
-@dataclass
-class Progress:
-    """Where a run stands. Every checkpoint holds it, so --resume continues exactly from here."""
-    step: int = 0
-    best_val: float = math.inf
-    bad_evals: int = 0  # evaluations since the best one (for --patience)
-    elapsed: float = 0.0  # seconds of training, compiling and evaluating: what --max-time counts
-    tokens: int = 0
-    evals_done: int = 0  # time-based runs: how many of the budget's evaluation points have passed
-    stopped_early: bool = False  # --patience ended the run: a resume has nothing left to train
-
-
-def start_processes(args):
-    """(ddp, device): one process on --device's device, or under torchrun several (start_torchrun)."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return False, pick_device(args.device)
-    return True, start_torchrun(args)
-
-
-def start_torchrun(args):
-    """This process's device under torchrun: one process per GPU, process k on cuda:k (LOCAL_RANK),
-    with nccl; or gloo processes on a CPU."""
-    global RANK, WORLD
-    if args.device not in ("auto", "cpu", "cuda"):
-        sys.exit(f"error: --device {args.device} under torchrun: each process takes the GPU of its LOCAL_RANK; "
-                 f"give --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs) or --device cpu")
-    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if local >= count:
-            sys.exit(f"error: torchrun process {local} needs cuda:{local}, and torch finds {count} cuda "
-                     f"device(s): run at most {count} process(es) per machine, or give --device cpu")
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    return torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
-
-
-def end_processes():
-    """A last barrier, then the process group torn down, in an order that cannot hang. Each gloo
-    operation keeps the ones still running when it started, and their tensors are Python's: if
-    gloo's worker thread let go of the barrier last, it would wait for the GIL while this thread,
-    holding it, waits in the group's destructor for that worker to end (pytorch/pytorch#56297: a
-    process that never exits). So this thread lets go of it last. main has let go of DDP, which
-    would otherwise keep the group alive past destroy_process_group."""
-    barrier = dist.barrier(async_op=True)  # tearing gloo down while a peer is still busy can abort it
-    barrier.wait()
-    dist.destroy_process_group()  # the group's last reference: its destructor ends gloo's threads
-    del barrier
 
 
 def read_last_checkpoint(args):
@@ -928,18 +937,24 @@ def read_last_checkpoint(args):
     return ckpt
 
 
-NOT_RESUMED = ("resume", "given", "out_dir", "device", "sample", "checkpoint", "prompt", "num_chars")
+NOT_RESUMED = ("resume", "overwrite", "given", "out_dir", "device", "sample", "checkpoint", "prompt", "num_chars")
 DERIVED = {"min_lr": "lr", "lr_decay_iters": "max_iters"}  # by default computed from another flag
 
 
 def resume_flags(args, saved, path):
-    """--resume continues the run with its own settings: each flag not given again takes its value
-    from last.pt; each one given again applies, with a note (the model's flags are then checked
-    against the saved model)."""
+    """Each flag not given again takes its value from last.pt; each one given again applies, with a note."""
     if not isinstance(saved, dict):
         log(f"note: {path} does not record its run's flags; the flags given and the defaults apply")
         return
-    check_saved_flags(saved, path)
+    given = saved.get("given", [])
+    if not isinstance(given, (list, tuple)) or not all(isinstance(k, str) for k in given):
+        damaged(path, f"its list of given flags is {given!r}")
+    for action in build_parser()._actions:  # each saved flag has its flag's type and choices
+        value = saved.get(action.dest)
+        kind = bool if isinstance(action.const, bool) else action.type or str  # store_true/false: bool
+        if action.dest != "help" and value is not None and (
+                not fits(value, kind) or (action.choices is not None and value not in action.choices)):
+            damaged(path, f"its flag {flag(action.dest)} is {value!r}")
     time_based = saved.get("max_time") is not None
     kind, other = (TIME_FLAGS, ITERATION_FLAGS) if time_based else (ITERATION_FLAGS, TIME_FLAGS)
     switched = [k for k in other if k in args.given and getattr(args, k) is not None]
@@ -947,7 +962,6 @@ def resume_flags(args, saved, path):
         sys.exit(f"error: {path} is {'a time-based' if time_based else 'an iteration-based'} run; it cannot "
                  f"resume as the other kind ({', '.join(flag(k) for k in switched)}): give "
                  f"{' / '.join(flag(k) for k in kind)} to change its budget, or use a new --out-dir")
-    saved_given = set(saved.get("given", ()))
     changed = []
     for key, value in saved.items():
         applies = args.arch in ARCH_FLAGS.get(key, (args.arch,))  # a flag of another arch stays unset
@@ -956,160 +970,165 @@ def resume_flags(args, saved, path):
         if key in args.given:
             if getattr(args, key) != value:
                 changed.append(f"{flag(key)} {getattr(args, key)} (was {value})")
-        elif not (key in DERIVED and key not in saved_given and DERIVED[key] in args.given):
+        elif not (key in DERIVED and key not in given and DERIVED[key] in args.given):
             setattr(args, key, value)  # a derived value follows its flag, if that is given again
     if changed:
         log(f"note: resuming with {', '.join(changed)}")
 
 
-def check_saved_flags(saved, path):
-    """Each flag saved in a (hand-edited) last.pt must have the type and choices of its flag."""
-    given = saved.get("given", [])
-    if not isinstance(given, (list, tuple)) or not all(isinstance(k, str) for k in given):
-        damaged(path, f"its list of given flags is {given!r}")
-    for action in build_parser()._actions:
-        value = saved.get(action.dest)
-        if action.dest == "help" or value is None:
-            continue
-        kind = bool if isinstance(action.const, bool) else action.type or str  # store_true/false: bool
-        if not fits(value, kind) or (action.choices is not None and value not in action.choices):
-            damaged(path, f"its flag {flag(action.dest)} is {value!r}")
-
-
-def start_or_resume(run, ckpt):
-    """A fresh run clears its --out-dir's earlier files; a resumed one continues from ckpt."""
-    args = run.args
-    if RANK == 0:
-        for tmp in stray_temporaries(args.out_dir):  # left by a save that was killed
-            os.remove(tmp)
-    if ckpt is not None:
-        resume(run, ckpt)
-        return
-    if os.path.exists(run.last_path):
-        log(f"note: {args.out_dir} holds an earlier run; this new run replaces its checkpoints and "
-            f"log (use --resume to continue it, or another --out-dir to keep it)")
-    if RANK == 0:  # a fresh run never reads, nor ends on, an earlier run's files
-        for path in (run.log_path, run.best_path, run.last_path):
-            if os.path.exists(path):
-                os.remove(path)
+NEEDED = ("optimizer", "torch_rng", "step", "best_val", "bad_evals", "elapsed", "tokens", "evals_done")
 
 
 def resume(run, ckpt):
     """Continue the run saved in ckpt exactly: model, optimizer, random state, progress, log."""
-    needed = ["optimizer", "torch_rng"] + [f.name for f in fields(Progress) if f.name != "stopped_early"]
-    missing = [k for k in needed if k not in ckpt]
+    path, args = run.paths["last.pt"], run.args
+    missing = [k for k in NEEDED if k not in ckpt]
     if missing:
-        sys.exit(f"error: {run.last_path} lacks {missing}, which this trainer saves in every last.pt "
-                 f"(a checkpoint of an older version of it, or not a last.pt), so it cannot continue the "
-                 f"run exactly; start a new run (another --out-dir keeps this one), or sample from it "
-                 f"with --sample --checkpoint {run.last_path}")
+        sys.exit(f"error: {path} lacks {missing}, which this trainer saves in every last.pt (a checkpoint of "
+                 f"an older version of it, or not a last.pt), so it cannot continue the run exactly; start a "
+                 f"new run in another --out-dir, or sample from it with --sample --checkpoint {path}")
     if ckpt["vocab"] != run.chars:
-        sys.exit(f"error: {run.last_path} was trained on another vocabulary ({len(ckpt['vocab'])} "
-                 f"characters, this text has {len(run.chars)}); use the same --data or a new --out-dir")
-    if model_identity(ckpt["config"]) != model_identity(config_dict(run.raw_model)):
-        sys.exit(f"error: {run.last_path} holds another model config {ckpt['config']}; "
-                 f"resume with the same model flags or use a new --out-dir")
+        sys.exit(f"error: {path} was trained on another vocabulary ({len(ckpt['vocab'])} characters, this "
+                 f"text has {len(run.chars)}); use the same --data or a new --out-dir")
+    if not same_model(ckpt["config"], vars(run.raw_model.cfg), args.arch):
+        sys.exit(f"error: {path} holds another model config {ckpt['config']}; resume with the same model "
+                 f"flags or use a new --out-dir")
     wrong = [f.name for f in fields(Progress) if f.name in ckpt and not fits(ckpt[f.name], f.type)]
     if wrong:
-        damaged(run.last_path, ", ".join(f"its {k} is {ckpt[k]!r}" for k in wrong))
+        damaged(path, ", ".join(f"its {k} is {ckpt[k]!r}" for k in wrong))
     rng = ckpt["torch_rng"]
     if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.shape == torch.get_rng_state().shape):
-        damaged(run.last_path, "its torch_rng is not torch's random state")
+        damaged(path, "its torch_rng is not torch's random state")
     try:
         run.raw_model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
-        check_optimizer_state(run.optimizer)
+        for group in run.optimizer.param_groups:  # load_state_dict does not check the moments' shapes,
+            for param in group["params"]:  # and a fused AdamW step would read out of bounds
+                for key, value in run.optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                        raise ValueError(f"its {key} has shape {tuple(value.shape)} for a parameter of "
+                                         f"{tuple(param.shape)}")
         if run.scaler is not None and ckpt.get("scaler"):
             run.scaler.load_state_dict(ckpt["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
-        damaged(run.last_path, f"its weights or optimizer state do not fit its own model ({first_line(err)})")
+        damaged(path, f"its weights or optimizer state do not fit its own model ({first_line(err)})")
     torch.set_rng_state(rng)
-    run.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress) if f.name in ckpt})
+    p = run.p = Progress(**{f.name: ckpt[f.name] for f in fields(Progress) if f.name in ckpt})
     if RANK == 0:
-        truncate_log(run.log_path, run.p.step)
-    log(f"resumed from {run.last_path} at step {run.p.step} (best val {run.p.best_val:.4f})")
-    if run.p.stopped_early:
-        log(f"the run stopped early at step {run.p.step}: nothing left to train (another --out-dir starts a new run)")
-    if not os.path.exists(run.best_path):  # deleted by hand: the next evaluation writes a new one
-        log(f"note: {run.best_path} is missing; the run goes on with its best val reset to infinity, "
+        truncate_log(run.paths["log.jsonl"], p.step)
+    log(f"resumed from {path} at step {p.step} (best val {p.best_val:.4f})")
+    continue_schedule(run, ckpt.get("args"))
+    spent = p.step >= args.max_iters if args.max_time is None else p.elapsed >= args.max_time
+    if p.stopped_early:
+        log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
+    elif spent:
+        budget = (f"step {p.step} of --max-iters {args.max_iters}" if args.max_time is None
+                  else f"{p.elapsed:.0f}s of --max-time {args.max_time:g}")
+        log(f"the run's budget is spent ({budget}): nothing to train. To train on, resume with a larger "
+            f"{'--max-iters' if args.max_time is None else '--max-time'}: the learning rate goes on from its last value")
+    if not os.path.exists(run.paths["best.pt"]):  # deleted by hand: the next evaluation writes a new one
+        log(f"note: {run.paths['best.pt']} is missing; the run goes on with its best val reset to infinity, "
             f"so that its next evaluation writes a new best.pt")
-        run.p.best_val, run.p.bad_evals = math.inf, 0
+        p.best_val, p.bad_evals = math.inf, 0
 
 
-def check_optimizer_state(optimizer):
-    """load_state_dict does not compare the moments' shapes with the parameters': a fused AdamW step
-    would read out of bounds (a crash without a message)."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                    raise ValueError(f"its {key} has shape {tuple(value.shape)} for a parameter of "
-                                     f"{tuple(param.shape)}")
+def continue_schedule(run, saved):
+    """A budget changed on --resume: the cosine goes on from the learning rate where the run stands
+    (not from the rate the new budget would have given there, which jumps)."""
+    args, p = run.args, run.p
+    key = "max_time" if args.max_time is not None else "lr_decay_iters"
+    old = saved.get(key) if isinstance(saved, dict) else None
+    if old is None or old == getattr(args, key) or (args.max_time is None and p.step <= args.warmup_iters):
+        return
+    before = argparse.Namespace(**{**vars(args), key: old})
+    p.decay_lr = lr_at(before, max(p.step, args.warmup_iters), p.elapsed, p.decay_start, p.decay_lr)
+    p.decay_start = p.elapsed if args.max_time is not None else p.step
+    log(f"note: {flag(key)} {getattr(args, key):g} (was {old:g}): the learning rate goes on from {p.decay_lr:.2e}, "
+        f"its value at {'step ' if args.max_time is None else ''}{p.decay_start:g}{'' if args.max_time is None else 's'}, "
+        f"down to --min-lr {args.min_lr:.2e} at the new end")
+
+
+def truncate_log(log_path, step):
+    """On resume: keep the evaluations up to the checkpoint's step. A run killed after writing a
+    row but before saving last.pt would otherwise repeat that row; a finished run's final row
+    (full_val_loss) belongs to an end that the resumed run will reach again."""
+    rows = []
+    if os.path.exists(log_path):
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the kill
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and "val_loss" in row \
+                        and row["step"] <= step:
+                    rows.append(line if line.endswith("\n") else line + "\n")
+    write_text(log_path, "".join(rows))
 
 
 def load_best(run):
     """best.pt at the end of a run: missing only where deleted by hand after the last evaluation."""
-    if not os.path.exists(run.best_path):
-        sys.exit(f"error: {run.best_path} is missing, so the run has no best model to evaluate and sample "
-                 f"(its last model is in {run.last_path}: --sample --checkpoint {run.last_path})")
-    return load_checkpoint(run.best_path)
+    if not os.path.exists(run.paths["best.pt"]):
+        sys.exit(f"error: {run.paths['best.pt']} is missing, so the run has no best model to evaluate and "
+                 f"sample (its last model is in {run.paths['last.pt']}: --sample --checkpoint {run.paths['last.pt']})")
+    return load_checkpoint(run.paths["best.pt"])
 
 
-def save_checkpoint(run, path):
-    atomic_save({"model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict(),
-                 "arch": run.args.arch, "config": config_dict(run.raw_model), "vocab": run.chars,
-                 "torch_rng": torch.get_rng_state(), "args": vars(run.args), **asdict(run.p),
-                 **({"scaler": run.scaler.state_dict()} if run.scaler is not None else {})}, path)
+# ------------------------------------------------------------------------------------------------
+# Several processes under torchrun
+# ------------------------------------------------------------------------------------------------
+
+def start_processes(args):
+    """(ddp, device): one process on --device's device, or under torchrun one per GPU, process k
+    on cuda:k (LOCAL_RANK), with nccl; or gloo processes on a CPU."""
+    global RANK, WORLD
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False, pick_device(args.device)
+    if args.device not in ("auto", "cpu", "cuda"):
+        sys.exit(f"error: --device {args.device} under torchrun: each process takes the GPU of its LOCAL_RANK; "
+                 f"give --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs) or --device cpu")
+    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local >= count:
+            sys.exit(f"error: torchrun process {local} needs cuda:{local}, and torch finds {count} cuda "
+                     f"device(s): run at most {count} process(es) per machine, or give --device cpu")
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return True, torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
 
 
-def append_log(run, **losses):  # one JSON object per line in log.jsonl
-    row = {"step": run.p.step, "elapsed": round(run.p.elapsed, 2), "tokens": run.p.tokens, **losses}
-    with open(run.log_path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+def end_processes():
+    """A last barrier, then the group torn down in an order that cannot hang: were gloo's worker
+    thread to let go of the barrier last, it would wait for the GIL while this thread, holding it,
+    waits in the group's destructor for that worker (pytorch/pytorch#56297). main has let go of
+    DDP, which would otherwise keep the group alive past destroy_process_group."""
+    barrier = dist.barrier(async_op=True)  # tearing gloo down while a peer is still busy can abort it
+    barrier.wait()
+    dist.destroy_process_group()  # the group's last reference: its destructor ends gloo's threads
+    del barrier
 
 
-def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
-    """One line of the training log; reading the loss waits for the step, so only every few steps."""
-    loss_value = mean_over_processes(loss)
-    if not math.isfinite(loss_value):
-        sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
-                 f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
-    if args.max_time is None:
-        where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
-    else:
-        where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
-    speed = (f"first step {dt:.1f}s" if first_step else
-             f"{tokens_per_s:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
-    log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
+def rank0_value(x, device):
+    """The float x as process 0 holds it, in every process (the clocks of processes differ by
+    milliseconds: near an eval point or the end they would decide differently and hang)."""
+    if WORLD == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return t.item()
 
 
-def compile_now(run):
-    """torch.compile compiles at a model's first calls: make them before the loop, inside one try: the
-    forward and backward of a training batch (its gradient is dropped) and a no-grad forward in
-    eval mode, as an evaluation runs it. Where no compiler works (no C++ compiler on a CPU, a GPU
-    that Triton does not support), a note, and the run trains eagerly."""
-    args = run.args
-    log("compiling before the first step: tens of seconds on a CPU ...")
-    x, y = get_batch(run.train_data, run.p.step, args, run.device)
-    try:
-        loss_fn(run.model, x, y, run.vocab_size, run.autocast).backward()
-        run.model.eval()
-        with torch.no_grad():
-            loss_fn(run.model, x, y, run.vocab_size, run.autocast)
-    except Exception as err:  # whatever the compiler raised: the eager model is tried next
-        log(f"note: torch.compile failed here ({type(err).__name__}: {first_line(err)}); training eagerly")
-        args.compile = args.compile_model = False
-        set_compiled(run.raw_model, False)
-        run.model = wrap(run.raw_model, False, run.ddp, run.device)
-    finally:
-        run.model.train()
-        run.optimizer.zero_grad(set_to_none=True)
-
-
-def log_peak_memory(run):
-    if run.device.type == "cuda":  # training's peak: what a GPU must hold for these settings
-        log(f"peak GPU memory {torch.cuda.max_memory_allocated(run.device) / 2**30:.2f} GiB "
-            f"(torch.cuda.max_memory_allocated, --dtype {run.args.dtype})")
+def mean_over_processes(loss):
+    """The training loss averaged over all processes (each saw its own batch), as a float."""
+    loss = loss.detach().float()
+    if WORLD > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= WORLD
+    return loss.item()
 
 
 if __name__ == "__main__":
