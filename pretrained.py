@@ -937,6 +937,9 @@ def load_tokenizer(name):
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=False)
     except Exception as err:  # gated, offline, not a tokenizer, code of its own
+        if "custom code" in str(err):
+            raise SystemExit(f"error: the tokenizer in {name} asks to run Python files of its own (auto_map), "
+                             f"which is refused; pass --tokenizer with another tokenizer") from None
         raise SystemExit(f"error: cannot load the tokenizer {name}: {_first_line(err)} (pass --tokenizer with a "
                          f"folder or a hub id of the tokenizer to use; meta-llama repositories are gated: "
                          f"accept the license on the hub and log in)") from None
