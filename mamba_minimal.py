@@ -620,9 +620,10 @@ def _check_options(model, input_ids, cache, seq_idx, attention_mask, read_values
                 or seq_idx.dtype not in (torch.int64, torch.int32) or seq_idx.device != input_ids.device:
             got = (f"{tuple(seq_idx.shape)} {seq_idx.dtype} on {seq_idx.device}" if isinstance(seq_idx, torch.Tensor)
                    else type(seq_idx).__name__)
-            raise ValueError(f"seq_idx must be an integer tensor of shape ({b}, {L}) like input_ids"
-                             f"{f', or ({b}, {L + 1}) with the cache last document first' if cache is not None else ''}"
-                             f", on {input_ids.device}, got {got}")
+            with_cache = (f", or ({b}, {L + 1}) with the document of the cache's last token first"
+                          if cache is not None else "")
+            raise ValueError(f"seq_idx must be an integer tensor of shape ({b}, {L}) like input_ids{with_cache}, "
+                             f"on {input_ids.device}, got {got}")
         if read_values and (seq_idx.diff(dim=1) < 0).any():
             raise ValueError("seq_idx must be non-decreasing along each row (packed sequences, one after another)")
         options["seq_idx"] = seq_idx.long()

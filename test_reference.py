@@ -27,10 +27,13 @@ import math
 import pytest
 import torch
 
+import mamba_engine as me
 import mamba_minimal as mm
+import pretrained
 from mamba_minimal import MambaConfig, MambaLM
 
-BACKENDS = ["sequential", "pscan", "associative", "fused"]
+# "reference": the model as built, the lesson's code; the others accelerated by mamba_engine
+BACKENDS = ["reference", "sequential", "pscan", "associative", "fused"]
 TOL = 1e-10  # float64 throughout: anything above rounding is a real difference
 
 
@@ -131,13 +134,16 @@ def weights(model, requires_grad=False):
             for k, v in model.state_dict().items()}
 
 
-def random_model(seed=0, dtype=torch.float64, **kw):
+def random_model(seed=0, dtype=torch.float64, backend="reference", recompute=True, **kw):
     """A small model whose every parameter is moved off its init: the init has zero biases, unit
-    norms and D = 1, under which a forgotten bias, norm weight or skip would not show."""
+    norms and D = 1, under which a forgotten bias, norm weight or skip would not show. backend:
+    "reference" leaves it as built; any other accelerates it (the fused path in chunks of 4)."""
     torch.manual_seed(seed)
-    cfg = dict(d_model=24, n_layer=2, vocab_size=21, d_state=5, chunk_size=4)  # dt_rank auto: 2
+    cfg = dict(d_model=24, n_layer=2, vocab_size=21, d_state=5)  # dt_rank auto: 2
     cfg.update(kw)
     model = MambaLM(MambaConfig(**cfg)).to(dtype)
+    if backend != "reference":
+        me.accelerate(model, backend=backend, chunk_size=4, recompute=recompute)
     with torch.no_grad():
         for p in model.parameters():  # a tied head is one parameter, moved once
             p.add_(0.1 * torch.randn_like(p))
@@ -178,7 +184,7 @@ def test_reference_carries_its_state_across_calls():
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("backend", BACKENDS + ["auto"])
 def test_logits_match_the_reference(backend, variant):
-    model = random_model(scan_backend=backend, **VARIANTS[variant])
+    model = random_model(backend=backend, **VARIANTS[variant])
     ids = token_ids(2, 11, 21, seed=2)  # 11 tokens: chunks of 4, the last one padded
     with torch.no_grad():
         logits = model(ids)
@@ -192,7 +198,7 @@ def test_logits_match_the_reference(backend, variant):
 def test_gradients_match_the_reference(backend, recompute, variant):
     """Every parameter's gradient, the reference's through plain autograd. A tied head's gradient
     is the sum of its two uses, as the reference's single leaf used twice gives."""
-    model = random_model(scan_backend=backend, recompute=recompute, **VARIANTS[variant])
+    model = random_model(backend=backend, recompute=recompute, **VARIANTS[variant])
     ids = token_ids(2, 11, 21, seed=3)
     probe = torch.randn(2, 11, 24, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     (model(ids) * probe).sum().backward()
@@ -208,7 +214,7 @@ def test_gradients_match_the_reference(backend, recompute, variant):
 def test_prefill_and_steps_match_the_reference(backend, variant):
     """The recurrent path: prefill's logits and cache, then each step's logits, against the
     reference read over the whole text. Prompts shorter and longer than the conv."""
-    model = random_model(scan_backend=backend, **VARIANTS[variant]).eval()
+    model = random_model(backend=backend, **VARIANTS[variant]).eval()
     W, cfg = weights(model), model.cfg
     ids = token_ids(2, 10, 21, seed=5)
     expected, _ = reference_lm(W, cfg, ids)
@@ -230,7 +236,7 @@ def test_prefill_and_steps_match_the_reference(backend, variant):
 def test_one_generation_step_matches_the_reference_step(backend):
     """A single step from the prompt's state: the model's step against the reference run on the
     one new token from the reference's own state (not against the model's cache)."""
-    model = random_model(scan_backend=backend, tie_embeddings=False).eval()
+    model = random_model(backend=backend, tie_embeddings=False).eval()
     W, cfg = weights(model), model.cfg
     prompt = token_ids(3, 6, 21, seed=6)
     _, cache = model.prefill(prompt)
@@ -242,7 +248,7 @@ def test_one_generation_step_matches_the_reference_step(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_generation_follows_the_reference(backend):
-    model = random_model(scan_backend=backend, vocab_size=19).eval()  # 19 padded to 24: 5 padded rows
+    model = random_model(backend=backend, vocab_size=19).eval()  # 19 padded to 24: 5 padded rows
     W, cfg = weights(model), model.cfg
     prompt = token_ids(2, 4, 19, seed=7)
     out = model.generate(prompt, max_new_tokens=10, top_k=1)
@@ -292,16 +298,16 @@ def test_transformers_mamba_gives_the_same_logits_and_greedy_tokens(variant):
 
 def test_transformers_config_and_saved_folder_load_into_the_same_model(tmp_path):
     """What transformers itself writes (config.json with its names, weights without the tied head)
-    loads through config_from_dict and from_pretrained into a model with the same logits."""
+    loads through pretrained.config_from_dict and pretrained.load into a model with the same logits."""
     model = random_model(dtype=torch.float32, vocab_size=32, d_model=40, d_conv=3, dt_min=2e-3, dt_max=0.05,
                          dt_init_floor=3e-4, norm_epsilon=1e-4).eval()
     hf, hf_cfg = transformers_twin(model)
-    cfg = mm.config_from_dict(hf_cfg.to_dict())
+    cfg = pretrained.config_from_dict(hf_cfg.to_dict())
     for name in ["d_model", "n_layer", "vocab_size", "d_state", "expand", "d_conv", "dt_rank", "conv_bias",
                  "bias", "dt_min", "dt_max", "dt_init_floor", "norm_epsilon", "tie_embeddings", "residual_in_fp32"]:
         assert getattr(cfg, name) == getattr(model.cfg, name), name
     hf.save_pretrained(tmp_path)
-    loaded = MambaLM.from_pretrained(str(tmp_path))
+    loaded = pretrained.load(str(tmp_path), cls=MambaLM)
     ids = token_ids(2, 9, 32, seed=9)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), hf(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
@@ -378,7 +384,7 @@ def test_transformers_config_names_map_to_their_fields():
          "time_step_min": 0.002, "time_step_max": 0.05, "time_step_floor": 0.0003, "time_step_scale": 0.5,
          "layer_norm_epsilon": 1e-4, "tie_word_embeddings": False, "residual_in_fp32": False,
          "intermediate_size": 144, "time_step_init_scheme": "constant", "hidden_act": "silu"}
-    cfg = mm.config_from_dict(d)
+    cfg = pretrained.config_from_dict(d)
     expected = dict(d_model=48, n_layer=3, vocab_size=40, d_state=6, expand=3, d_conv=5, dt_rank=7,
                     conv_bias=False, bias=True, dt_min=0.002, dt_max=0.05, dt_init_floor=0.0003, dt_scale=0.5,
                     norm_epsilon=1e-4, tie_embeddings=False, residual_in_fp32=False, dt_init="constant")

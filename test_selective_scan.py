@@ -1,4 +1,4 @@
-"""Specification of the selective scan's hand-written backward (mamba_minimal.py section 6,
+"""Specification of the selective scan's hand-written backward (mamba_engine.py section 1,
 _SelectiveScan): its forward and every gradient against a float64 loop differentiated by autograd,
 for every eager backend and both forms (the CPU's and the GPU's, the latter run on the CPU here);
 packed sequences; what it saves under bf16 autocast; second derivatives; torch.func; and that a
@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mamba_engine as me
 import mamba_minimal as mm
 import pscan
 from test_model import reference_selective_scan
@@ -15,7 +16,7 @@ from test_use import loop_conv
 
 NAMES = ["x", "delta", "A", "B", "C", "D", "z", "h0"]
 # the eager backends: the pscan.py scans selective_scan knows ("two_level" once pscan.py has it)
-EAGER = [b for b in mm.SCAN_BACKENDS if b in pscan.BACKENDS and b not in mm.FUSED_BACKENDS]
+EAGER = [b for b in me.SCAN_BACKENDS if b in pscan.BACKENDS and b not in me.FUSED_BACKENDS]
 
 
 # test_model.py's float64 loop of the paper's equations, differentiable by autograd: it gives the
@@ -26,7 +27,7 @@ loop_scan = reference_selective_scan
 @pytest.fixture(params=["cpu form", "gpu form"])
 def form(request, monkeypatch):
     """_SelectiveScan's CPU form, or its GPU form run on the CPU (as on any other device)."""
-    monkeypatch.setattr(mm, "_gpu_form", lambda device: request.param == "gpu form")
+    monkeypatch.setattr(me, "_gpu_form", lambda device: request.param == "gpu form")
     return request.param
 
 
@@ -54,7 +55,7 @@ def outputs_and_gradients(fn, args, seed=1):
 
 
 def assert_matches_loop(args, tol, **kwargs):
-    fast = lambda *a: mm.selective_scan(*a, return_last_state=True, **kwargs)
+    fast = lambda *a: me.selective_scan(*a, return_last_state=True, **kwargs)
     y, h, grads = outputs_and_gradients(fast, args)
     y_ref, h_ref, grads_ref = outputs_and_gradients(loop_scan, [None if t is None else t.double() for t in args])
     torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol, msg=f"{kwargs}: y")
@@ -96,7 +97,7 @@ def test_gradients_when_only_the_output_reaches_the_loss_match_the_float64_loop(
     # in training the final state reaches no loss: its gradient arrives as None, not zeros
     args = [t.requires_grad_() for t in inputs(l=9)]
     g = torch.randn(2, 9, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    got = torch.autograd.grad(mm.selective_scan(*args, backend=backend), args, g)
+    got = torch.autograd.grad(me.selective_scan(*args, backend=backend), args, g)
     want = torch.autograd.grad(loop_scan(*args)[0], args, g)
     for name, a, w in zip(NAMES, got, want):
         torch.testing.assert_close(a, w, rtol=1e-10, atol=1e-10, msg=f"gradient wrt {name}")
@@ -108,7 +109,7 @@ def test_the_plain_backward_is_the_one_function_and_saves_two_state_tensors(form
     x, delta, A, B, C, D, z, h0 = (t.requires_grad_() for t in inputs(b=2, l=9, ed=5, n=3))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = mm.selective_scan(x, delta, A, B, C, D, z, h0, backend="pscan")
+        y = me.selective_scan(x, delta, A, B, C, D, z, h0, backend="pscan")
     assert type(y.grad_fn).__name__ == "_SelectiveScanBackward"
     assert {type(f).__name__ for f, _ in y.grad_fn.next_functions if f is not None} == {"AccumulateGrad"}
     assert sum(t.numel() == 2 * 9 * 5 * 3 for t in saved) == 2
@@ -118,11 +119,11 @@ def test_the_backward_gets_no_zero_tensors_for_the_states_it_passes_itself(form,
     # the forward hands dA, h, y + D·x and SiLU(z) to the backward as extra outputs; a zero
     # "gradient" for each would be two more (b, L, ED, N) tensors at the backward's peak
     received = []
-    backward = mm._SelectiveScan.backward
-    monkeypatch.setattr(mm._SelectiveScan, "backward",
+    backward = me._SelectiveScan.backward
+    monkeypatch.setattr(me._SelectiveScan, "backward",
                         staticmethod(lambda ctx, *grads: received.extend(grads) or backward(ctx, *grads)))
     args = [t.requires_grad_() for t in inputs()]
-    mm.selective_scan(*args).sum().backward()
+    me.selective_scan(*args).sum().backward()
     assert len(received) == 6 and received[0] is not None
     assert all(g is None for g in received[1:])  # the final state reached no loss either
 
@@ -130,9 +131,9 @@ def test_the_backward_gets_no_zero_tensors_for_the_states_it_passes_itself(form,
 def test_a_plain_backward_never_takes_the_recorded_path(form, monkeypatch):
     def refuse(*args):
         raise AssertionError("the recorded (create_graph) path ran for a plain backward")
-    monkeypatch.setattr(mm, "_recorded_gradients", refuse)
+    monkeypatch.setattr(me, "_recorded_gradients", refuse)
     args = [t.requires_grad_() for t in inputs()]
-    mm.selective_scan(*args).sum().backward()
+    me.selective_scan(*args).sum().backward()
     assert all(t.grad is not None for t in args)
 
 
@@ -153,13 +154,13 @@ def test_the_engines_scan_runs_in_place_where_its_docstring_says(backend, revers
         state = decay * state + x[:, t]
         want[:, t] = state
     h = x.clone()
-    out = mm._scan_in_place(h, dA, backend, reverse)
+    out = me._scan_in_place(h, dA, backend, reverse)
     assert out.data_ptr() == h.data_ptr()
     torch.testing.assert_close(h, want, rtol=1e-12, atol=1e-12)
 
 
-def test_the_model_trains_through_the_function():
-    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=11, d_state=4))
+def test_the_accelerated_model_trains_through_the_function():
+    model = me.accelerate(mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=11, d_state=4)))
     seen, stack = set(), [model(torch.randint(0, 11, (2, 5))).sum().grad_fn]
     while stack:
         f = stack.pop()
@@ -172,12 +173,16 @@ def test_the_model_trains_through_the_function():
     assert "_CausalConvBackward" in nodes  # the conv, with its own backward
 
 
+@pytest.mark.parametrize("engine", [True, False], ids=["accelerated", "the lesson's"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("with_buffer", [False, True])
-def test_the_conv_backward_equals_the_float64_loop(packed, with_buffer):
-    # _CausalConv's hand-written gradients against autograd through test_use.py's loop: for the
-    # input, the cache's buffer, the weights and the bias, with and without packed sequences
+def test_the_conv_backward_equals_the_float64_loop(packed, with_buffer, engine):
+    # _CausalConv's hand-written gradients (and the lesson's shifted_sum under autograd) against
+    # autograd through test_use.py's loop: for the input, the cache's buffer, the weights and the
+    # bias, with and without packed sequences
     mixer = mm.MambaMixer(mm.MambaConfig(d_model=6, d_state=3)).double()
+    if engine:
+        me.accelerate(mixer)
     g = torch.Generator().manual_seed(0)
     b, L, ED, d = 2, 9, mixer.cfg.d_inner, mixer.cfg.d_conv
     x = torch.randn(b, L, ED, generator=g, dtype=torch.float64, requires_grad=True)
@@ -202,7 +207,7 @@ def test_the_conv_has_second_derivatives():
     weight = mixer.conv1d.weight.detach().clone().requires_grad_()
     x_pad = lambda x: F.pad(x, (0, 0, mixer.cfg.d_conv - 1, 0))
     # the square makes the second derivative depend on both the input and the weights
-    assert torch.autograd.gradgradcheck(lambda x, w: mm._CausalConv.apply(x_pad(x), w[:, 0], None, None) ** 2,
+    assert torch.autograd.gradgradcheck(lambda x, w: me._CausalConv.apply(x_pad(x), w[:, 0], None, None) ** 2,
                                         (x, weight))
 
 
@@ -215,7 +220,7 @@ def test_second_derivatives_equal_the_float64_loop(form, backend):
         return lambda x, delta, A: scan(x, delta, A, B, C, D, z, h0)[0].pow(2).sum() + \
             scan(x, delta, A, B, C, D, z, h0)[1].pow(3).sum()
 
-    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True)
+    fast = lambda *a: me.selective_scan(*a, backend=backend, return_last_state=True)
     got = torch.autograd.functional.hessian(loss(fast), (x, delta, A))
     want = torch.autograd.functional.hessian(loss(loop_scan), (x, delta, A))
     for got_row, want_row in zip(got, want):
@@ -228,7 +233,7 @@ def test_a_gradient_penalty_differentiates_the_gradient():
     # create_graph=True, then a backward through the gradient: the pattern of a gradient penalty
     x, delta, A, B, C, D, z, h0 = inputs()
     grads = {}
-    scans = {"fast": lambda *a: mm.selective_scan(*a, backend="sequential"), "loop": lambda *a: loop_scan(*a)[0]}
+    scans = {"fast": lambda *a: me.selective_scan(*a, backend="sequential"), "loop": lambda *a: loop_scan(*a)[0]}
     for name, scan in scans.items():
         xg = x.clone().requires_grad_()
         (g,) = torch.autograd.grad(scan(xg, delta, A, B, C, D, z, h0).sin().sum(), xg, create_graph=True)
@@ -241,7 +246,7 @@ def test_under_bf16_autocast_the_read_out_and_the_saved_states_stay_fp32(form, s
     # fp32 inputs under bf16 autocast: a matmul would run the read-out C·h in bf16 (relative error
     # about 2^-9 = 2e-3); kept in fp32 the outputs and gradients are as exact as fp32 allows
     args = inputs(b=2, l=16, ed=32, n=4, dtype=torch.float32)
-    fn = {"selective_scan": lambda *a: mm.selective_scan(*a, return_last_state=True),
+    fn = {"selective_scan": lambda *a: me.selective_scan(*a, return_last_state=True),
           "selective_scan_reference": mm.selective_scan_reference}[scan]
     saved = []
 
@@ -263,28 +268,28 @@ def test_fused_is_the_fused_path_and_chunked_a_deprecated_name_for_it(monkeypatc
     args = inputs(l=11)
     y_ref, h_ref = loop_scan(*args)
     calls = []
-    fused = mm.fused_selective_scan
-    monkeypatch.setattr(mm, "fused_selective_scan", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    y, h = mm.selective_scan(*args, backend="fused", chunk_size=4, return_last_state=True)
+    fused = me.fused_selective_scan
+    monkeypatch.setattr(me, "fused_selective_scan", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    y, h = me.selective_scan(*args, backend="fused", chunk_size=4, return_last_state=True)
     with pytest.warns(DeprecationWarning, match='use "fused"'):
-        y_old, h_old = mm.selective_scan(*args, backend="chunked", chunk_size=4, return_last_state=True)
+        y_old, h_old = me.selective_scan(*args, backend="chunked", chunk_size=4, return_last_state=True)
     for got in (y, y_old):
         torch.testing.assert_close(got, y_ref, rtol=1e-10, atol=1e-10)
     for got in (h, h_old):
         torch.testing.assert_close(got, h_ref, rtol=1e-10, atol=1e-10)
     assert len(calls) == 2  # both went through the fused path
-    assert mm.chunked_selective_scan is fused
-    assert "fused" in mm.SCAN_BACKENDS and mm.SCAN_BACKENDS is not pscan.BACKENDS
-    mm.MambaConfig(scan_backend="chunked")  # still accepted
+    assert me.chunked_selective_scan is fused
+    assert "fused" in me.SCAN_BACKENDS and me.SCAN_BACKENDS is not pscan.BACKENDS
+    me.accelerate(mm.MambaLM(mm.MambaConfig(d_model=8, n_layer=1)), backend="chunked")  # still accepted
 
 
 def test_backends_selective_scan_does_not_know_raise_a_value_error():
     args = inputs()
     for backend in ("loop", "flash") + (() if "two_level" in pscan.BACKENDS else ("two_level",)):
         with pytest.raises(ValueError, match="backend must be one of"):
-            mm.selective_scan(*args, backend=backend)
-        with pytest.raises(ValueError, match="scan_backend must be one of"):
-            mm.MambaConfig(scan_backend=backend)
+            me.selective_scan(*args, backend=backend)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            me.accelerate(mm.MambaLM(mm.MambaConfig(d_model=8, n_layer=1)), backend=backend)
 
 
 def loop_with_resets(x, delta, A, B, C, D, z, h0, reset):
@@ -305,7 +310,7 @@ def test_packed_sequences_restart_the_state_as_the_float64_loop_does(form, backe
     args = inputs(b=2, l=9)
     reset = torch.tensor([[False, False, True, False, False, False, True, True, False],
                           [False, False, False, False, True, False, False, False, False]])
-    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True, reset=reset)
+    fast = lambda *a: me.selective_scan(*a, backend=backend, return_last_state=True, reset=reset)
     y, h, grads = outputs_and_gradients(fast, args)
     y_ref, h_ref, grads_ref = outputs_and_gradients(lambda *a: loop_with_resets(*a, reset), args)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
@@ -323,15 +328,15 @@ def relative_errors_of_both_forms(delta, A, L=64, seed=3):
     errors = {}
     for form in ("cpu", "gpu"):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(mm, "_gpu_form", lambda device: form == "gpu")
-            y, h = mm.selective_scan(*args, return_last_state=True)
+            patch.setattr(me, "_gpu_form", lambda device: form == "gpu")
+            y, h = me.selective_scan(*args, return_last_state=True)
         errors[form] = max(((y.double() - y_ref).norm() / y_ref.norm()).item(),
                            ((h.double() - h_ref).norm() / h_ref.norm()).item())
     return errors
 
 
 def test_the_gpu_forms_decays_are_as_exact_as_exp_and_never_underflow():
-    # The GPU form computes exp(Δ·A) as (e^(A/s))^(Δ·s) (mamba_minimal.py, _gpu_forward). With
+    # The GPU form computes exp(Δ·A) as (e^(A/s))^(Δ·s) (mamba_engine.py, _gpu_forward). With
     # rates down to A = -64 (init: -1 to -16) and steps from 1e-3 to 20, as exact as the CPU
     # form's exp; down to A = -1000, within 1e-5 (e^A alone would underflow to 0 there, and
     # every such decay would be 0 or 1, an error of order 1)
@@ -351,7 +356,7 @@ def test_a_non_cpu_device_runs_the_gpu_form():
         args = [t.to(device).requires_grad_() for t in inputs(b=b, l=L, ed=ed, n=n)]
         saved = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-            y = mm.selective_scan(*args)
+            y = me.selective_scan(*args)
         assert saved.count(shape) == 2, (device, saved)
         y.sum().backward()
         assert all(t.grad is not None and t.grad.shape == t.shape for t in args)
@@ -376,7 +381,7 @@ def test_auto_runs_the_loop_on_a_gpu_at_the_trainers_cuda_default():
 @pytest.mark.parametrize("backend", EAGER)
 def test_torch_func_grad_and_vmap_equal_the_float64_loop(form, backend):
     x, delta, A, B, C, D, z, h0 = inputs()
-    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True)
+    fast = lambda *a: me.selective_scan(*a, backend=backend, return_last_state=True)
 
     def loss(scan):
         return lambda x, delta, A: (scan(x, delta, A, B, C, D, z, h0)[0] ** 2).sum()
@@ -412,7 +417,7 @@ def test_vmap_over_some_inputs_only_equals_the_float64_loop_per_problem(form, ba
     # the states would come out unmapped and a mapped A or h0 be written into them in place, the
     # call takes the reference's route
     args, other = inputs(), inputs(seed=1)  # x, delta, A, B, C, D, z, h0
-    fast = lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True)
+    fast = lambda *a: me.selective_scan(*a, backend=backend, return_last_state=True)
     for mapped in [("A",), ("h0",), ("C", "h0"), ("z", "h0"), ("x", "A"), ("delta", "C")]:
         which = [name in mapped for name in NAMES]
         stacked = [torch.stack([t, o]) if m else t for t, o, m in zip(args, other, which)]
@@ -430,12 +435,12 @@ def test_forward_mode_ad_through_the_selective_scan_equals_the_float64_loops(for
     import torch.autograd.forward_ad as fwAD
     args = tuple(inputs())  # x, delta, A, B, C, D, z, h0
     tangents = tuple(torch.randn_like(t) for t in args)
-    _, got = torch.func.jvp(lambda *a: mm.selective_scan(*a, backend=backend, return_last_state=True), args, tangents)
+    _, got = torch.func.jvp(lambda *a: me.selective_scan(*a, backend=backend, return_last_state=True), args, tangents)
     _, want = torch.func.jvp(loop_scan, args, tangents)
     for g, w in zip(got, want):  # the outputs' and the final state's tangents
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
     with fwAD.dual_level():  # torch's other forward-mode API
-        y = mm.selective_scan(*(fwAD.make_dual(t, u) for t, u in zip(args, tangents)), backend=backend)
+        y = me.selective_scan(*(fwAD.make_dual(t, u) for t, u in zip(args, tangents)), backend=backend)
         torch.testing.assert_close(fwAD.unpack_dual(y).tangent, want[0], rtol=1e-10, atol=1e-10)
 
 
@@ -446,6 +451,6 @@ def test_forward_mode_ad_through_the_conv_equals_a_float64_loop():
     x_pad = torch.randn(2, 3 + 5, 8, generator=g, dtype=torch.float64)  # 3 inputs before the first token
     w, bias = torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
     dx, dw = torch.randn_like(x_pad), torch.randn_like(w)
-    _, got = torch.func.jvp(lambda x_pad, w: mm._CausalConv.apply(x_pad, w, bias, None), (x_pad, w), (dx, dw))
+    _, got = torch.func.jvp(lambda x_pad, w: me._CausalConv.apply(x_pad, w, bias, None), (x_pad, w), (dx, dw))
     want = sum(dx[:, k:k + 5] * w[:, k] + x_pad[:, k:k + 5] * dw[:, k] for k in range(4))
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -4,12 +4,17 @@ is checked against an independent oracle in float64: the whole sequence in one p
 cache, each document run alone, each row run alone, a conv written as a loop here, and
 transformers' generate where it is installed."""
 
+import copy
+
 import pytest
 import torch
 
+import hybrid
 import mamba2_minimal as m2
 import mamba3_minimal as m3
+import mamba_engine as me
 import mamba_minimal as mm
+import pretrained
 
 VOCAB = 50
 CHUNK = 8  # the chunk length of the chunked forms: pieces and documents longer than it are tested
@@ -37,15 +42,18 @@ def mamba3_model(seed=0, is_mimo=False):
                                                  ngroups=2, chunk_size=CHUNK, is_mimo=is_mimo, mimo_rank=2)))
 
 
-def mamba1_model(seed=0, scan_backend="sequential", recompute=True):
+def mamba1_model(seed=0, backend="sequential", recompute=True):
+    """Mamba-1 as built ("reference") or accelerated by mamba_engine with `backend`."""
     torch.manual_seed(seed)
-    return perturbed(mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4,
-                                               scan_backend=scan_backend, chunk_size=CHUNK, recompute=recompute)))
+    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4))
+    if backend != "reference":
+        me.accelerate(model, backend=backend, chunk_size=CHUNK, recompute=recompute)
+    return perturbed(model)
 
 
-# Mamba-1: the read path (sections 2 and 3 under autograd), every eager backend (pscan.py's scans
-# under the hand-written backward) and the fused path, with its recomputing backward and with
-# plain autograd through each chunk
+# Mamba-1: the model as built (mamba_minimal.py's sections 2 and 3 under autograd), and accelerated:
+# every eager backend (pscan.py's scans under mamba_engine.py's hand-written backward) and the fused
+# path, with its recomputing backward and with plain autograd through each chunk
 MAMBA1_BACKENDS = ("reference", "sequential", "pscan", "hillis_steele", "two_level", "associative", "fused")
 MODELS = {
     **{f"mamba1_{backend}": (lambda seed=0, backend=backend: mamba1_model(seed, backend))
@@ -299,8 +307,8 @@ def test_per_sample_gradients_keep_the_hand_written_backward(monkeypatch):
     # vmap(grad) over the data maps every per-token input of the scan: the engine runs, not the reference
     model = MODELS["mamba1_pscan"]()
     calls = []
-    forward = mm._cpu_forward
-    monkeypatch.setattr(mm, "_cpu_forward", lambda *a: calls.append(1) or forward(*a))
+    forward = me._cpu_forward
+    monkeypatch.setattr(me, "_cpu_forward", lambda *a: calls.append(1) or forward(*a))
     ids = torch.randint(0, VOCAB, (3, 2, 12), generator=torch.Generator().manual_seed(8))
     params = {n: p.detach() for n, p in model.named_parameters()}
     loss = lambda p, i: torch.func.functional_call(model, p, (i,)).logsumexp(-1).mean()
@@ -500,7 +508,7 @@ def test_left_padded_generate_equals_transformers_generate_with_the_same_mask(tm
             if name.endswith(("dt_bias", "A_log", ".D", "norm.weight", "dt_proj.bias", "conv1d.bias")):
                 p.add_(torch.randn_like(p) * 0.3)
     hf.save_pretrained(tmp_path)
-    model = (mm.MambaLM if generation == 1 else m2.Mamba2LM).from_pretrained(str(tmp_path), dtype=torch.float64)
+    model = pretrained.load(str(tmp_path), dtype=torch.float64, cls=mm.MambaLM if generation == 1 else m2.Mamba2LM)
     prompts = [torch.randint(1, VOCAB, (n,)) for n in PROMPT_LENGTHS]
     ids, mask = left_padded(prompts, pad_id=0)
     ours = model.generate(ids, 6, top_k=1, attention_mask=mask)
@@ -620,14 +628,14 @@ def test_mamba1_selective_scan_restarts_where_reset_forward_and_every_gradient(b
         return (y, h), torch.autograd.grad(loss, inputs, create_graph=create_graph)
 
     expected, expected_grads = grads(lambda *t: loop_selective_scan(*t, reset))
-    got, got_grads = grads(lambda *t: mm.selective_scan(*t, backend=backend, return_last_state=True,
+    got, got_grads = grads(lambda *t: me.selective_scan(*t, backend=backend, return_last_state=True,
                                                        chunk_size=CHUNK, reset=reset))
     assert max_difference(got, expected) < 1e-10
     assert max_difference(got_grads, expected_grads) < 1e-10
     if backend != "fused":  # the recomputing fused backward refuses a second derivative, loudly
         _, first = grads(lambda *t: loop_selective_scan(*t, reset), create_graph=True)
         expected_second = torch.autograd.grad(sum((g * g).sum() for g in first), inputs)
-        _, first = grads(lambda *t: mm.selective_scan(*t, backend=backend, return_last_state=True, reset=reset),
+        _, first = grads(lambda *t: me.selective_scan(*t, backend=backend, return_last_state=True, reset=reset),
                          create_graph=True)
         assert max_difference(torch.autograd.grad(sum((g * g).sum() for g in first), inputs), expected_second) < 1e-9
 
@@ -643,15 +651,15 @@ if __name__ == "__main__":  # python test_use.py: the worst float64 difference o
 @pytest.mark.compile
 def test_compiled_mamba1_fused_scan_restarts_packed_rows_forward_and_backward():
     torch.manual_seed(0)
-    cfg = mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4, chunk_size=CHUNK, compile_scan=True)
-    model = mm.MambaLM(cfg)
+    cfg = mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4)
+    model = me.accelerate(mm.MambaLM(cfg), compile=True, chunk_size=CHUNK)
     ids, seq_idx = packed_row([5, 14])
     weights = torch.randn(*ids.shape, cfg.padded_vocab_size)
     model.zero_grad()
     packed = model(ids, seq_idx=seq_idx)
     (packed * weights).sum().backward()  # the compiled chunk and its compiled recomputing backward
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.cfg.compile_scan = False  # the oracle: each document alone, eagerly
+    me.accelerate(model, chunk_size=CHUNK)  # the oracle: each document alone, eagerly
     model.zero_grad()
     for doc in (slice(0, 5), slice(5, 19)):
         alone = model(ids[:, doc])
@@ -662,7 +670,7 @@ def test_compiled_mamba1_fused_scan_restarts_packed_rows_forward_and_backward():
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. The captured decode step (decode_step with compile=True)
+# 5. The captured decode step (mamba_engine.compile_decode, decode_step with compile=True)
 # ------------------------------------------------------------------------------------------------
 
 DECODE_MODELS = ["mamba1_sequential", "mamba2", "mamba3_siso", "mamba3_mimo"]
@@ -677,8 +685,9 @@ def test_the_compiled_decode_step_equals_the_eager_step_and_the_forward(name):
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
     _, cache = model.prefill(prompt)
     _, eager_cache = model.prefill(prompt)
-    step = mm.decode_step(model, compile=True)
-    assert step is mm.decode_step(model, compile=True) and step is not model._step  # compiled once per model
+    eager = copy.deepcopy(model)
+    step = me.decode_step(model, compile=True)
+    assert step is me.decode_step(model, compile=True) and step is not model._step  # compiled once per model
     graphs = counters["stats"]["unique_graphs"]
     for token in torch.randint(0, VOCAB, (4, 2), generator=torch.Generator().manual_seed(4)):
         with torch.no_grad():
@@ -686,10 +695,10 @@ def test_the_compiled_decode_step_equals_the_eager_step_and_the_forward(name):
         assert max_difference(cache, eager_cache) < 1e-10  # the cache written in place, as the eager step does
     assert counters["stats"]["unique_graphs"] == graphs + 1  # the whole step, one graph
     # generate with it: the greedy tokens of one forward pass over the whole sequence
-    out = model.generate(prompt, 6, top_k=1, compile=True)
+    out = me.compile_decode(model).generate(prompt, 6, top_k=1)
     with torch.no_grad():
         assert torch.equal(out[:, 5:], model(out[:, :-1])[:, 4:, :VOCAB].argmax(-1))
-    assert torch.equal(out, model.generate(prompt, 6, top_k=1))
+    assert torch.equal(out, eager.generate(prompt, 6, top_k=1))
 
 
 def test_a_decode_step_that_fails_to_compile_runs_eagerly_after_one_warning(monkeypatch):
@@ -699,23 +708,26 @@ def test_a_decode_step_that_fails_to_compile_runs_eagerly_after_one_warning(monk
         return compiled
 
     monkeypatch.setattr(torch, "compile", no_compiler)
-    model = mamba2_model()
+    model, eager = mamba2_model(), mamba2_model()
+    me.compile_decode(model)
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
     with pytest.warns(UserWarning, match="compiling the decode step failed.*no C\\+\\+ compiler") as caught:
-        out = model.generate(prompt, 5, top_k=1, compile=True)
-        again = model.generate(prompt, 5, top_k=1, compile=True)
+        out = model.generate(prompt, 5, top_k=1)
+        again = model.generate(prompt, 5, top_k=1)
     assert len([w for w in caught if "decode step" in str(w.message)]) == 1
-    assert torch.equal(out, model.generate(prompt, 5, top_k=1)) and torch.equal(again, out)
+    assert torch.equal(out, eager.generate(prompt, 5, top_k=1)) and torch.equal(again, out)
 
 
 def test_a_hybrid_model_decodes_eagerly_under_compile_with_one_warning(monkeypatch):
     # an attention layer's KV cache grows each token: a compiled step would compile again every token
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: pytest.fail("compiled a step with a growing KV cache"))
     torch.manual_seed(0)
-    model = perturbed(mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4, d_intermediate=8,
-                                                attn_layer_idx=[1], attn_cfg=dict(num_heads=2, causal=True))))
+    model = perturbed(hybrid.HybridMambaLM(hybrid.HybridMambaConfig(
+        d_model=16, n_layer=2, vocab_size=VOCAB, d_state=4, d_intermediate=8, attn_layer_idx=[1],
+        attn_cfg=dict(num_heads=2, causal=True))))
+    eager = copy.deepcopy(model)
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
     with pytest.warns(UserWarning, match="without attention layers; decoding eagerly") as caught:
-        out = model.generate(prompt, 4, top_k=1, compile=True)
-        model.generate(prompt, 4, top_k=1, compile=True)
-    assert len(caught) == 1 and torch.equal(out, model.generate(prompt, 4, top_k=1))
+        out = me.compile_decode(model).generate(prompt, 4, top_k=1)
+        model.generate(prompt, 4, top_k=1)
+    assert len(caught) == 1 and torch.equal(out, eager.generate(prompt, 4, top_k=1))
