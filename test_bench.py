@@ -237,6 +237,12 @@ BAD_ARGS = [  # each refused with one usage line, before anything runs
     (["roofline", "--archs", "mamba", "--flags", "--arch gpt"], "must not hold --arch"),
     (["roofline", "--flags", "--batch-size 8 --scan-backend=pscan"], "must not hold --scan-backend"),
     (["graphs", "--backend", "nonsense"], "--backend 'nonsense' is not a torch.compile backend"),
+    (["scan", "--threads", "100000"], "--threads must be at most 4 x"),  # torch segfaults at such a count
+    (["gpu", "--tiny", "--budget", "1e308"], "--budget"), (["gpu", "--tiny", "--race-time", "1e308"], "--race-time"),
+    (["race", "--max-time", "1e308"], "--max-time"),
+    # roofline's --flags, checked by the trainer for each model before anything runs
+    (["roofline", "--flags", "--d-model -5"], "refuses them: --d-model must be at least 1"),
+    (["roofline", "--archs", "gpt", "--flags", "--d-modle 5"], "refuses them: unrecognized arguments: --d-modle"),
 ]
 
 
@@ -286,3 +292,113 @@ def test_a_sweep_point_replaces_the_flags_of_its_base_and_names_each_once():
     for base, grid in race.SWEEP_ROUNDS.values():  # every point is "--name value" pairs
         for flags in [base["mamba"], base["gpt"]] + grid["mamba"] + grid["gpt"]:
             assert len(flags) % 2 == 0 and all(f.startswith("--") for f in flags[::2]), flags
+
+
+def test_roofline_refuses_a_size_no_tensor_can_hold_in_one_line():
+    # a width the trainer takes, but whose in_proj no tensor can hold: one line naming the flags
+    with pytest.raises(SystemExit) as exit:
+        main(["roofline", "--archs", "mamba2", "--flags", "--d-model 1000000000"])
+    assert str(exit.value.code).startswith("error: roofline cannot count mamba2's step with --flags "
+                                           "'--d-model 1000000000': RuntimeError: "), exit.value.code
+    assert "\n" not in str(exit.value.code)
+
+
+def test_a_race_starts_each_run_afresh_in_its_folder(tmp_path, monkeypatch):
+    # the trainer continues or refuses a run it finds in --out-dir: the race's runs of an earlier
+    # race (log, checkpoints) go first, so that each run trains from the start for --max-time
+    out_dir = tmp_path / "mamba-0"
+    out_dir.mkdir()
+    for name in ("last.pt", "best.pt", "log.jsonl"):
+        (out_dir / name).write_text("an earlier run's\n")
+    found = []
+
+    class Trainer:  # stands in for train_shakespeare.py: notes what it finds, logs two evaluations
+        def __init__(self, cmd, **kw):
+            folder = cmd[cmd.index("--out-dir") + 1]
+            found.append(sorted(os.listdir(folder)))
+            with open(os.path.join(folder, "log.jsonl"), "w") as f:
+                f.write('{"step": 5, "elapsed": 1.0, "val_loss": 3.0}\n{"step": 10, "elapsed": 2.0, "val_loss": 2.5}\n')
+            self.returncode = 0
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(race.subprocess, "Popen", Trainer)
+    args = argparse.Namespace(max_time=2.0, data=None, together=False)
+    runs = list(race.train_runs([("mamba (default)", [], str(out_dir))], args, torch.device("cpu"), {}))
+    assert found == [[]]
+    assert runs == [("mamba (default)", [(1.0, 3.0), (2.0, 2.5)], (10, 200.0))]
+
+
+def test_the_training_table_runs_mamba_1_through_the_engine_as_the_trainer_does(monkeypatch):
+    # every Mamba-1 row but the read path runs mamba_engine's scan (accelerate), with the backend or
+    # compile its name says; the read path runs the lesson's own selective_scan_reference
+    import mamba_minimal as mm
+    seen = {}
+    monkeypatch.setattr(train, "training_step_table", lambda title, models, *a, **k: seen.update(models))
+    train.bench_train(argparse.Namespace(quick=True), torch.device("cpu"))
+    expected = {"mamba default (d_state 2, auto)": "auto", "mamba d_state 4": "auto", "mamba d_state 16": "auto",
+                "mamba sequential": "sequential", "mamba pscan": "pscan", "mamba fused eager": "fused"}
+    for name, backend in expected.items():
+        mixers = [m for m in seen[name].modules() if isinstance(m, mm.MambaMixer)]
+        assert mixers and all(m.scan_fn.keywords["backend"] == backend and m.scan_fn.keywords["compile"] is False
+                              and m.conv_fn == mamba_engine._CausalConv.apply for m in mixers), name
+    reference = [m for m in seen["mamba read path (reference)"].modules() if isinstance(m, mm.MambaMixer)]
+    assert reference and all(m.scan_fn == mm.selective_scan_reference for m in reference)
+
+
+def test_the_compiled_decode_row_times_its_compile_apart_from_its_tokens(monkeypatch, capsys):
+    # a stand-in compile that takes 3 s on the first token: the row's note counts it, and its decode
+    # rate does not, which would put 8 tokens under 8 / 3 = 2.7 tokens/s
+    compiled = []
+
+    def slow_compile(model):
+        eager = model._step
+
+        def step(token_ids, cache):
+            if not compiled:
+                time.sleep(3)
+                compiled.append(True)
+            return eager(token_ids, cache)
+        model._step = step
+        return model
+
+    monkeypatch.setattr(decode.mamba_engine, "compile_decode", slow_compile)
+    decode.bench_decode(argparse.Namespace(quick=True, repeats=1, threads=1, no_compile=False, shapes=None),
+                        torch.device("cpu"))
+    row = next(line for line in capsys.readouterr().out.splitlines()
+               if line.startswith("|") and "ours, compiled step" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(re.fullmatch(r"compiling took (\d+) s", cells[5]).group(1)) >= 3, row
+    assert float(cells[4].split()[0]) > 2 * 8 / 3, row
+
+
+def test_the_gpt_yardstick_runs_copied_alone_into_an_empty_folder(tmp_path):
+    # gpt_minimal.py imports torch only: alone in a folder it builds, trains a step and samples
+    import shutil
+    shutil.copy(os.path.join(HERE, "gpt_minimal.py"), tmp_path)
+    script = ("import sys, torch, gpt_minimal as g\n"
+              "m = g.TinyGPT(g.GPTConfig(vocab_size=11, d_model=16, n_layer=1, n_head=2, block_size=8))\n"
+              "ids = torch.randint(0, 11, (2, 9))\n"
+              "loss = torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())\n"
+              "loss.backward()\n"
+              "tokens = list(m.generate_stream(ids[:1], 12, temperature=0.8, top_k=5, top_p=0.9))\n"
+              "assert len(tokens) == 12 and all(0 <= t.item() < 11 for t in tokens)\n"
+              "assert not {'mamba_minimal', 'pscan'} & set(sys.modules)\n"
+              "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_the_gpt_yardstick_samples_as_the_mamba_models_do():
+    # the GPT's own sampler against mamba_minimal.sample_next, the same generator state each: the
+    # same tokens, greedy, with temperature, top_k and top_p
+    import gpt_minimal
+    import mamba_minimal as mm
+    logits = torch.randn(4, 40)
+    for temperature, top_k, top_p in ((0, None, None), (1.0, 1, None), (1.0, None, None), (0.7, 5, None),
+                                      (1.3, None, 0.8), (0.5, 3, 0.6)):
+        ours = gpt_minimal.sample(logits, temperature, top_k, top_p, torch.Generator().manual_seed(1))
+        theirs = mm.sample_next(logits, temperature, top_k, top_p, torch.Generator().manual_seed(1))
+        assert torch.equal(ours, theirs), (temperature, top_k, top_p)

@@ -94,9 +94,10 @@ def check_trainer_flags(p, args):
         try:
             with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
                 roofline.trainer_settings(arch, shlex.split(args.flags))
-        except SystemExit as refused:  # the trainer's own message: an argparse line, or "error: ..."
-            lines = [line for line in said.getvalue().splitlines() + [str(refused.code or "")] if line.strip()]
-            reason = lines[-1].split("error: ", 1)[-1] if lines else "refused"
+        except SystemExit as refused:  # the trainer's own message: argparse's line, or sys.exit("error: ...")
+            lines = said.getvalue().splitlines() + ([refused.code] if isinstance(refused.code, str) else [])
+            errors = [line.split("error: ", 1)[1] for line in lines if "error: " in line]
+            reason = errors[-1] if errors else " ".join(lines).strip() or f"exit status {refused.code}"
             p.error(f"--flags {args.flags!r}: train_shakespeare.py --arch {arch} refuses them: {reason}")
 
 
