@@ -180,7 +180,8 @@ def gpu_trainer_run(args, flags, timeout_s):
         cmd += ["--data", args.data]
     if args.tiny:  # a toy model of two Mamba-2 chunks per block (chunk 64), as the CUDA default has four
         cmd += ["--d-model", "32", "--n-layer", "2", "--block-size", "128", "--batch-size", "8",
-                "--eval-iters", "2", "--log-interval", "2", "--dtype", "bf16"] + (["--n-head", "4"] if arch == "gpt" else [])
+                "--eval-iters", "2", "--log-interval", "2", "--dtype", "bf16"]
+        cmd += ["--n-head", "4"] if arch == "gpt" else []
     print("$ " + shlex.join(["python"] + cmd[1:]), flush=True)
     text, status = run_capped(cmd, timeout_s)
     steady = [(float(rate.replace(",", "")), int(ms)) for step, rate, ms in

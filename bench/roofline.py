@@ -124,9 +124,11 @@ class StepCounter(TorchDispatchMode):
         by_name = dict(zip([a.name for a in func._schema.arguments], args), **kwargs)
         out_args = {a.name for a in written if a.kwarg_only}  # out=: written, never read
         reads = [t for key, value in by_name.items() if key not in out_args and name not in self.WRITE_ONLY
-                 and not (name == "copy_" and key == "self") for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+                 and not (name == "copy_" and key == "self")
+                 for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
         fresh = [t for t, r in zip(outputs, func._schema.returns) if r.alias_info is None]
-        writes = fresh + [t for a in written for t in tree_flatten(by_name.get(a.name))[0] if isinstance(t, torch.Tensor)]
+        writes = fresh + [t for a in written for t in tree_flatten(by_name.get(a.name))[0]
+                          if isinstance(t, torch.Tensor)]
         flops, packet = 0, func._overloadpacket
         if packet in flop_counter.flop_registry:
             flops = flop_counter.flop_registry[packet](*args, **kwargs, out_val=out)
@@ -248,7 +250,8 @@ def bench_roofline(args, device):
             cases.append((arch, None, True))
             continue
         # the CPU form beside the GPU form, and the ideal fused scan
-        cases += [(arch, backend, True) for backend in ROOFLINE_BACKENDS] + [(arch, "pscan", False), (arch, "ideal", True)]
+        cases += [(arch, backend, True) for backend in ROOFLINE_BACKENDS]
+        cases += [(arch, "pscan", False), (arch, "ideal", True)]
     rows, described = [], None
     for arch, scan, gpu_form in cases:
         try:

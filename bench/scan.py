@@ -10,6 +10,7 @@ bench/scan.py: the scans on their own, outside any model.
 Peak memory is measured in a subprocess per case (memory_case), Linux only.
 """
 
+import json
 import sys
 import time
 
@@ -330,7 +331,8 @@ def bench_mamba2_ssd(args, device):
         t_f = interleaved({key: (lambda fn=fn: fwd(fn)) for key, fn in runs.items()}, reps, device)
         t_b = interleaved({key: (lambda fn=fn: fb(fn)) for key, fn in runs.items()}, reps, device)
         for k in cases:
-            ref = "Mamba-1 block (default) | compile=True" if "block" in k else "Mamba-1 scan (N 16), pscan | compiled chunked"
+            ref = ("Mamba-1 block (default) | compile=True" if "block" in k
+                   else "Mamba-1 scan (N 16), pscan | compiled chunked")
             cells = []
             for t in (t_f, t_b):
                 for kind in ("eager", "compiled"):

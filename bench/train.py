@@ -181,7 +181,8 @@ def bench_mamba2_profile(args, device):
 
 MAMBA3_CPU_CANDIDATES = {  # d_model 128, 7 layers: 0.8M-0.9M parameters, like Mamba-1's and Mamba-2's defaults
     "mamba3 SISO, d_state 64, headdim 64, chunk 64": dict(d_state=64, headdim=64, chunk_size=64),
-    "mamba3 SISO, d_state 32, headdim 64, chunk 64 (trainer's CPU default)": dict(d_state=32, headdim=64, chunk_size=64),
+    "mamba3 SISO, d_state 32, headdim 64, chunk 64 (trainer's CPU default)":
+        dict(d_state=32, headdim=64, chunk_size=64),
     "mamba3 SISO, d_state 64, headdim 32, chunk 64": dict(d_state=64, headdim=32, chunk_size=64),
     "mamba3 SISO, d_state 64, headdim 64, chunk 16": dict(d_state=64, headdim=64, chunk_size=16),
     "mamba3 MIMO rank 2, d_state 32, chunk 32 (--mimo-rank 2)": dict(d_state=32, headdim=64, chunk_size=32,
