@@ -477,6 +477,39 @@ def _train_a_few_steps(model, steps=5, seed=3):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+def test_accelerate_by_default_runs_the_engine_the_trainer_ran_before(monkeypatch):
+    # the trainer's step is no slower than before: accelerate(model) with its defaults runs what
+    # every model ran before the engine became opt-in, the eager backend "auto" under the hand-written
+    # backward (no compile; chunks of 16 and the recomputing backward for the fused path) and
+    # _CausalConv, with the numbers of the lesson's code: forward and every gradient in float64
+    model = tiny_model().double()
+    fast = me.accelerate(copy.deepcopy(model))
+    asked = []
+    scan = me.selective_scan
+    monkeypatch.setattr(me, "selective_scan", lambda *a, **k: asked.append(k) or scan(*a, **k))
+    ids = torch.randint(0, 21, (2, 19), generator=torch.Generator().manual_seed(1))
+    results = []
+    for m in (model, fast):
+        logits = m(ids)
+        F.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+        results.append((logits.detach(), [p.grad for p in m.parameters()], logits.grad_fn))
+    assert len(asked) == 2 and all(k.pop("reset") is None for k in asked)
+    assert asked[0] == asked[1] == dict(backend="auto", compile=False, chunk_size=16, recompute=True,
+                                        return_last_state=True)
+    assert all(layer.mixer.conv_fn == me._CausalConv.apply for layer in fast.backbone.layers)
+    seen, stack = set(), [results[1][2]]
+    while stack:
+        f = stack.pop()
+        if f is not None and f not in seen:
+            seen.add(f)
+            stack.extend(g for g, _ in f.next_functions)
+    assert {"_SelectiveScanBackward", "_CausalConvBackward"} <= {type(f).__name__ for f in seen}
+    (logits, grads, _), (fast_logits, fast_grads, _) = results
+    torch.testing.assert_close(fast_logits, logits, rtol=1e-10, atol=1e-10)
+    for g, g0 in zip(fast_grads, grads):
+        torch.testing.assert_close(g, g0, rtol=1e-8, atol=1e-10)
+
+
 @pytest.mark.parametrize("engine", ["auto", "sequential", "fused"])
 def test_the_read_path_trains_exactly_like_the_engine(engine):
     # the model as built runs mamba_minimal.py's sections 2 and 3 under autograd; the engine's
