@@ -3,7 +3,7 @@ test_tasks.py: the synthetic tasks of tasks/ (the papers' claims on a laptop), i
 
 Each data generator against strings worked out by hand; each task's pipeline trains a tiny model
 for a few steps and its loss goes down; the recurrent evaluation (prefill + step) against the
-parallel forward; and the two ablation switches the tasks need, MambaConfig.selection_off and
+parallel forward; and the two ablations the tasks need, tasks/selection_off.py's SelectionOffMixer and
 Mamba3Config.rotations_off, against what they claim: an LTI layer that is one fixed convolution
 (pscan.scan_time_invariant), and a Mamba-3 whose angles are zero.
 """
@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mamba_engine
 import pscan
 from mamba3_minimal import Mamba3Config, Mamba3LM
-from mamba_minimal import MambaConfig, MambaLM, SelectionOffMixer
+from mamba_minimal import MambaConfig, MambaLM, MambaMixer
 from tasks import common, induction_heads, mqar, selective_copying, state_tracking
+from tasks.selection_off import SelectionOffMixer
 
 N = common.IGNORE  # a position that asks for nothing
 
@@ -270,15 +272,17 @@ def test_logits_of_drops_the_padded_vocabulary():
 def test_each_architecture_name_builds_its_model():
     for arch, selection_off in (("mamba", False), ("mamba-lti", True)):
         model = common.build(arch, 5, **TINY)
-        assert isinstance(model, MambaLM) and model.cfg.selection_off is selection_off
-        assert isinstance(model.backbone.layers[0].mixer, SelectionOffMixer) is selection_off
+        assert isinstance(model, MambaLM)
+        for layer in model.backbone.layers:  # each mixer runs mamba_engine.py's scan and conv
+            assert isinstance(layer.mixer, SelectionOffMixer) is selection_off
+            assert layer.mixer.scan_fn is not MambaMixer.scan_fn and layer.mixer.conv_fn is not MambaMixer.conv_fn
     for arch, rotations_off in (("mamba3", False), ("mamba3-real", True)):
         model = common.build(arch, 5, **TINY)
         assert isinstance(model, Mamba3LM) and model.cfg.rotations_off is rotations_off
 
 
 # ------------------------------------------------------------------------------------------------
-# MambaConfig.selection_off: Δ, B and C learned constants, the layer one fixed convolution
+# SelectionOffMixer (tasks/selection_off.py): Δ, B and C learned constants, the layer one fixed convolution
 # ------------------------------------------------------------------------------------------------
 
 def lti_mixer_by_convolution(mixer, hidden):
@@ -302,8 +306,10 @@ def lti_mixer_by_convolution(mixer, hidden):
 @pytest.mark.parametrize("backend", ["reference", "auto", "sequential", "pscan", "fused"])
 def test_selection_off_makes_the_ssm_one_fixed_convolution(backend):
     torch.manual_seed(1)
-    cfg = MambaConfig(d_model=8, n_layer=1, vocab_size=5, d_state=4, selection_off=True, scan_backend=backend)
-    mixer = MambaLM(cfg).double().backbone.layers[0].mixer
+    model = MambaLM(MambaConfig(d_model=8, n_layer=1, vocab_size=5, d_state=4), mixer_cls=SelectionOffMixer)
+    if backend != "reference":  # "reference": mamba_minimal.py's scan, as the model is built
+        mamba_engine.accelerate(model, backend=backend)
+    mixer = model.double().backbone.layers[0].mixer
     with torch.no_grad():  # away from the init (B = 1, D = 1) so that each parameter shows
         for p in (mixer.B, mixer.C, mixer.D, mixer.dt_bias):
             p.add_(0.3 * torch.randn_like(p))
@@ -312,7 +318,7 @@ def test_selection_off_makes_the_ssm_one_fixed_convolution(backend):
 
 
 def test_selection_off_parameters_are_constants_and_the_selective_ones_are_gone():
-    model = MambaLM(MambaConfig(d_model=8, n_layer=2, vocab_size=5, d_state=4, selection_off=True))
+    model = MambaLM(MambaConfig(d_model=8, n_layer=2, vocab_size=5, d_state=4), mixer_cls=SelectionOffMixer)
     mixer = model.backbone.layers[0].mixer
     names = {n for n, _ in mixer.named_parameters()}
     assert names == {"in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "B", "C", "A_log", "D",
@@ -326,7 +332,7 @@ def test_selection_off_parameters_are_constants_and_the_selective_ones_are_gone(
 
 
 def test_a_checkpoint_without_selection_off_loads_strictly_and_the_two_do_not_mix(tmp_path):
-    # the official parameter names, written out: the option adds nothing to a default model
+    # the official parameter names, written out: the ablation adds nothing to a default model
     official = {"in_proj.weight", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
                 "dt_proj.bias", "A_log", "D", "out_proj.weight"}
     cfg = dict(d_model=8, n_layer=1, vocab_size=5, d_state=4)
@@ -335,9 +341,9 @@ def test_a_checkpoint_without_selection_off_loads_strictly_and_the_two_do_not_mi
     torch.save(selective.state_dict(), tmp_path / "selective.pt")
     MambaLM(MambaConfig(**cfg)).load_state_dict(torch.load(tmp_path / "selective.pt", weights_only=True))
     # an LTI model saves and loads itself; a checkpoint of the one kind is refused by the other
-    lti = MambaLM(MambaConfig(**cfg, selection_off=True))
+    lti = MambaLM(MambaConfig(**cfg), mixer_cls=SelectionOffMixer)
     torch.save(lti.state_dict(), tmp_path / "lti.pt")
-    again = MambaLM(MambaConfig(**cfg, selection_off=True))
+    again = MambaLM(MambaConfig(**cfg), mixer_cls=SelectionOffMixer)
     again.load_state_dict(torch.load(tmp_path / "lti.pt", weights_only=True))
     ids = torch.randint(0, 5, (2, 9))
     torch.testing.assert_close(again(ids), lti(ids), rtol=0, atol=0)
@@ -347,16 +353,11 @@ def test_a_checkpoint_without_selection_off_loads_strictly_and_the_two_do_not_mi
         selective.load_state_dict(lti.state_dict())
 
 
-def test_selection_off_must_be_a_bool():
-    with pytest.raises(ValueError, match="selection_off"):
-        MambaConfig(selection_off="yes")
-
-
 def test_selection_off_starts_as_s4d_and_trains_every_constant():
     # S4D's init (arXiv 2206.11893, section 3): B = 1 and a random normal C; and Δ, B and C are
     # parameters like any other, so a loss reaches each of them
     torch.manual_seed(0)
-    model = MambaLM(MambaConfig(d_model=8, n_layer=1, vocab_size=5, d_state=64, selection_off=True))
+    model = MambaLM(MambaConfig(d_model=8, n_layer=1, vocab_size=5, d_state=64), mixer_cls=SelectionOffMixer)
     mixer = model.backbone.layers[0].mixer
     assert torch.equal(mixer.B, torch.ones(64))
     assert 0.7 < mixer.C.std().item() < 1.3 and abs(mixer.C.mean().item()) < 0.4  # N(0, 1), 64 draws
