@@ -77,6 +77,7 @@ def text_file(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow  # about 30 s: a 25 s budget
 def test_bench_gpu_tiny_keeps_the_order_and_the_budget(text_file):
     # a budget too short for everything: what fits runs in the order of the CUDA run, the rest is
     # killed or skipped, and the command ends within its budget, compiling included
@@ -93,6 +94,7 @@ def test_bench_gpu_tiny_keeps_the_order_and_the_budget(text_file):
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # minutes: every part, its compiles included
 def test_bench_gpu_tiny_runs_every_part_in_order_on_the_cpu(text_file):
     out, status, _ = bench_gpu_tiny(text_file, 900, 14)
     assert status == 0, out
