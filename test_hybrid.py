@@ -18,9 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import hybrid
 import mamba2_minimal as m2
 import mamba3_minimal as m3
+import mamba_engine
 import mamba_minimal as mm
+import pretrained
 from test_use import (CHUNK, DOC_LENGTHS, PROMPT_LENGTHS, VOCAB, assert_jvp_equals_central_differences,
                       embedding_gradients, left_padded, packed_row, random_split)
 
@@ -40,13 +43,20 @@ def difference(got, expected):
 # The configs: each generation's mixer, with two hybrid layouts
 # ------------------------------------------------------------------------------------------------
 
-GENERATIONS = {  # LM class, config_from_dict, d_model, ssm_cfg
-    "mamba1": (mm.MambaLM, mm.config_from_dict, 16, {"d_state": 4}),
-    "mamba2": (m2.Mamba2LM, m2.config_from_dict, 32,
+def mamba1_lm(cfg):
+    """Mamba-1's LM for a config from pretrained.config_from_dict: HybridMambaLM where the config has
+    the hybrid fields (a HybridMambaConfig), MambaLM where it has none, as pretrained.load builds them."""
+    return (hybrid.HybridMambaLM if isinstance(cfg, hybrid.HybridMambaConfig) else mm.MambaLM)(cfg)
+
+
+GENERATIONS = {  # LM class (or builder), config_from_dict, d_model, ssm_cfg
+    "mamba1": (mamba1_lm, pretrained.config_from_dict, 16, {"d_state": 4}),
+    "mamba2": (m2.Mamba2LM, pretrained.mamba2_config_from_dict, 32,
                {"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": CHUNK}),
-    "mamba3": (m3.Mamba3LM, m3.config_from_dict, 16,
+    "mamba3": (m3.Mamba3LM, pretrained.mamba3_config_from_dict, 16,
                {"layer": "Mamba3", "d_state": 8, "headdim": 8, "ngroups": 2, "chunk_size": CHUNK}),
 }
+LM_CLASS = {"mamba1": mm.MambaLM, "mamba2": m2.Mamba2LM, "mamba3": m3.Mamba3LM}  # pretrained.load's cls
 
 
 def layout(name, d_model):
@@ -160,13 +170,17 @@ def write_official_folder(folder, config, sd):
     return str(folder)
 
 
-def hybrid(tmp_path, generation, layout_name, **overrides):
+def hybrid_model(tmp_path, generation, layout_name, accelerated=True):
     """The library's model loaded from an official-layout folder, the state dict written there, the
-    config and the pure model whose mixers the oracle runs."""
+    config and the pure model whose mixers the oracle runs. A Mamba-1 model runs mamba_engine.py's
+    scan and conv (accelerate, as the trainer runs it), or with accelerated=False the lesson's code
+    as mamba_minimal.py writes it."""
     config = official_config(generation, layout_name)
     sd, pure = official_state_dict(generation, config)
     folder = write_official_folder(tmp_path / f"{generation}_{layout_name}", config, sd)
-    model = GENERATIONS[generation][0].from_pretrained(folder, dtype=torch.float64, **overrides)
+    model = pretrained.load(folder, dtype=torch.float64, cls=LM_CLASS[generation])
+    if generation == "mamba1" and accelerated:
+        mamba_engine.accelerate(model)
     return model, sd, config, pure
 
 
@@ -270,13 +284,13 @@ def oracle_logits(ids, sd, config, pure):
 # 1. An official hybrid checkpoint loads strictly and computes the official equations
 # ------------------------------------------------------------------------------------------------
 
-READ_PATH = [("mamba1", name, {"scan_backend": "reference"}) for name in LAYOUTS]  # sections 2 and 3 as written
+READ_PATH = [("mamba1", name, False) for name in LAYOUTS]  # mamba_minimal.py's sections 2 and 3 as written
 
 
-@pytest.mark.parametrize("generation,layout_name,overrides", [(*case, {}) for case in CASES] + READ_PATH)
+@pytest.mark.parametrize("generation,layout_name,accelerated", [(*case, True) for case in CASES] + READ_PATH)
 def test_a_hybrid_checkpoint_loads_strictly_and_equals_the_float64_oracle(tmp_path, generation, layout_name,
-                                                                          overrides):
-    model, sd, config, pure = hybrid(tmp_path, generation, layout_name, **overrides)
+                                                                          accelerated):
+    model, sd, config, pure = hybrid_model(tmp_path, generation, layout_name, accelerated)
     assert set(model.state_dict()) == set(sd)
     ids = torch.randint(0, VOCAB, (2, 19))
     with torch.no_grad():
@@ -291,7 +305,7 @@ def test_rotary_turns_the_pairs_of_the_official_convention():
     x = torch.randn(2, 7, 3, 10, dtype=torch.float64)
     positions = torch.randint(0, 50, (2, 7))
     for dim, interleaved in ((10, False), (10, True), (6, False), (4, True)):
-        got = mm.apply_rotary(x, positions, dim, 500.0, interleaved)
+        got = hybrid.apply_rotary(x, positions, dim, 500.0, interleaved)
         for row in range(2):
             assert difference(got[row], rotary(x[row], positions[row], dim, 500.0, interleaved)) < 1e-12
 
@@ -301,7 +315,7 @@ def test_rotary_turns_a_bf16_input_by_fp32_angles():
     by a radian. The angles and the turn are computed in fp32, only the result is rounded to bf16."""
     x = torch.randn(2, 4, 3, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64).bfloat16()
     positions = torch.tensor([[1001, 2003, 4097, 30001], [3, 517, 1023, 8191]])
-    got = mm.apply_rotary(x, positions, 8, 10000.0, False)
+    got = hybrid.apply_rotary(x, positions, 8, 10000.0, False)
     assert got.dtype == torch.bfloat16
     for row in range(2):  # the oracle turns the same bf16 numbers in float64
         expected = rotary(x[row].double(), positions[row], 8, 10000.0, False)
@@ -312,8 +326,9 @@ def test_the_mlp_width_is_d_intermediate_rounded_up_to_a_multiple_of_128():
     # the official GatedMLP: (hidden + multiple_of - 1) // multiple_of * multiple_of, multiple_of 128;
     # a width that already is a multiple stays as it is
     for d_intermediate, hidden in ((1, 128), (127, 128), (128, 128), (129, 256), (256, 256), (300, 384)):
-        assert mm.gated_mlp_hidden(d_intermediate) == hidden, d_intermediate
-    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4, d_intermediate=256))
+        assert hybrid.gated_mlp_hidden(d_intermediate) == hidden, d_intermediate
+    model = hybrid.HybridMambaLM(hybrid.HybridMambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4,
+                                                          d_intermediate=256))
     mlp = model.backbone.layers[0].mlp
     assert mlp.fc1.weight.shape == (512, 16) and mlp.fc2.weight.shape == (16, 256)
 
@@ -321,8 +336,8 @@ def test_the_mlp_width_is_d_intermediate_rounded_up_to_a_multiple_of_128():
 def test_layernorm_blocks_use_the_configs_epsilon():
     # norm_epsilon reaches every LayerNorm, as it reaches RMSNorm: at 0.5 the two differ visibly
     # from the default 1e-5 on inputs of variance about 0.1
-    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4, rms_norm=False,
-                                      d_intermediate=8, norm_epsilon=0.5)).double()
+    model = hybrid.HybridMambaLM(hybrid.HybridMambaConfig(d_model=16, n_layer=1, vocab_size=VOCAB, d_state=4,
+                                                          rms_norm=False, d_intermediate=8, norm_epsilon=0.5)).double()
     g = torch.Generator().manual_seed(0)
     x = 0.3 * torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
     w, b = torch.randn(16, generator=g, dtype=torch.float64), torch.randn(16, generator=g, dtype=torch.float64)
@@ -340,7 +355,7 @@ def test_a_checkpoint_missing_the_mlp_or_the_attention_bias_is_refused(tmp_path)
                 "backbone.layers.0.norm2.weight"):
         partial = {k: v for k, v in sd.items() if k != key}
         with pytest.raises(ValueError, match=rf"missing \['{key}'\]"):
-            m2.Mamba2LM.from_pretrained(write_official_folder(tmp_path / key, config, partial))
+            pretrained.load(write_official_folder(tmp_path / key, config, partial), cls=m2.Mamba2LM)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,7 +369,7 @@ def attention_entries(model, cache):
 @pytest.mark.parametrize("generation,layout_name", CASES)
 def test_prefill_and_steps_follow_the_forward_and_the_kv_cache_grows_by_one_per_token(tmp_path, generation,
                                                                                      layout_name):
-    model, *_ = hybrid(tmp_path, generation, layout_name)
+    model, *_ = hybrid_model(tmp_path, generation, layout_name)
     ids = torch.randint(0, VOCAB, (2, 25))
     with torch.no_grad():
         expected = model(ids)
@@ -390,13 +405,13 @@ def split_difference(model):
 
 @pytest.mark.parametrize("generation,layout_name", CASES)
 def test_pieces_with_a_cache_give_the_one_pass_logits_and_cache(tmp_path, generation, layout_name):
-    model, *_ = hybrid(tmp_path, generation, layout_name)
+    model, *_ = hybrid_model(tmp_path, generation, layout_name)
     assert split_difference(model) < 1e-10
 
 
 @pytest.mark.parametrize("generation,layout_name", CASES)
 def test_forward_with_a_cache_carries_gradients_like_the_one_pass(tmp_path, generation, layout_name):
-    model, *_ = hybrid(tmp_path, generation, layout_name)
+    model, *_ = hybrid_model(tmp_path, generation, layout_name)
     ids = torch.randint(0, VOCAB, (2, 17))
     weights = torch.randn(2, 17, model.cfg.padded_vocab_size, dtype=torch.float64)
     (model(ids) * weights).sum().backward()
@@ -412,7 +427,7 @@ def test_forward_with_a_cache_carries_gradients_like_the_one_pass(tmp_path, gene
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 def test_under_bf16_autocast_the_kv_cache_keeps_the_model_dtype_and_step_follows_the_forward(tmp_path,
                                                                                               layout_name):
-    model, *_ = hybrid(tmp_path, "mamba2", layout_name)
+    model, *_ = hybrid_model(tmp_path, "mamba2", layout_name)
     model = model.float()
     ids = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
@@ -429,7 +444,7 @@ def test_under_bf16_autocast_the_kv_cache_keeps_the_model_dtype_and_step_follows
 
 @pytest.mark.parametrize("generation,layout_name", CASES)
 def test_greedy_generate_equals_a_float64_greedy_loop_over_the_oracle(tmp_path, generation, layout_name):
-    model, sd, config, pure = hybrid(tmp_path, generation, layout_name)
+    model, sd, config, pure = hybrid_model(tmp_path, generation, layout_name)
     prompts = torch.randint(0, VOCAB, (2, 6))
     generated = model.generate(prompts, 8, top_k=1)
     streamed = torch.stack(list(model.generate_stream(prompts, 8, temperature=0)), dim=1)
@@ -462,7 +477,7 @@ def cache_meaning(model, cache, row):
 def test_a_packed_row_equals_each_document_alone_outputs_and_gradients(tmp_path, generation, layout_name):
     """test_use.py's packing check: attention stays inside its document, whose rotary positions start
     at 0, and no gradient crosses a boundary."""
-    model, *_ = hybrid(tmp_path, generation, layout_name)
+    model, *_ = hybrid_model(tmp_path, generation, layout_name)
     ids, seq_idx = packed_row(DOC_LENGTHS)
     weights = torch.randn(*ids.shape, model.cfg.padded_vocab_size, dtype=torch.float64)
     logits, grads, grad_embedded = embedding_gradients(model, ids, weights, seq_idx)
@@ -482,7 +497,7 @@ def test_a_packed_row_equals_each_document_alone_outputs_and_gradients(tmp_path,
 @pytest.mark.parametrize("generation,layout_name", CASES)
 def test_a_packed_row_continues_from_a_cache_in_pieces_and_ends_with_the_last_document_alone(
         tmp_path, generation, layout_name):
-    model, *_ = hybrid(tmp_path, generation, layout_name)
+    model, *_ = hybrid_model(tmp_path, generation, layout_name)
     ids, seq_idx = packed_row(DOC_LENGTHS)
     with torch.no_grad():
         expected = model(ids, seq_idx=seq_idx)
@@ -507,7 +522,7 @@ def test_a_split_at_any_position_continues_or_restarts_as_the_documents_say(tmp_
     """fuzz N2 for the attention layers too: with seq_idx[:, k - 1:] a document that starts at the
     split sees none of the cached keys, and its positions start at 0."""
     from test_use import split_at_every_position_difference
-    model, *_ = hybrid(tmp_path, generation, layout_name)
+    model, *_ = hybrid_model(tmp_path, generation, layout_name)
     ids, seq_idx = packed_row([3, 1, 4, 2])
     assert split_at_every_position_difference(model, ids, seq_idx) < 1e-10
 
@@ -516,7 +531,7 @@ def test_a_split_at_any_position_continues_or_restarts_as_the_documents_say(tmp_
 def test_each_row_of_a_left_padded_batch_equals_the_row_alone(tmp_path, generation, layout_name):
     """Padded keys are never seen, and a row's positions count from its first real token: logits,
     cache, the steps after it and greedy generation equal the row run alone."""
-    model, *_ = hybrid(tmp_path, generation, layout_name)
+    model, *_ = hybrid_model(tmp_path, generation, layout_name)
     prompts = [torch.randint(0, VOCAB, (n,)) for n in PROMPT_LENGTHS]
     for pad_id in (0, 17):
         ids, mask = left_padded(prompts, pad_id)
@@ -545,7 +560,7 @@ def test_left_padding_holds_with_a_kernel_whose_softmax_over_no_key_is_nan(tmp_p
         return scores.softmax(-1) @ v
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", textbook)
-    model, *_ = hybrid(tmp_path, "mamba2", "mqa_layernorm")  # attention in the first and the last layer
+    model, *_ = hybrid_model(tmp_path, "mamba2", "mqa_layernorm")  # attention in the first and the last layer
     prompts = [torch.randint(0, VOCAB, (n,)) for n in PROMPT_LENGTHS]
     ids, mask = left_padded(prompts, 0)
     with torch.no_grad():
@@ -664,13 +679,16 @@ def test_kernel_only_fields_are_accepted_and_ignored_and_null_means_no_attention
                   initializer_cfg={"initializer_range": 0.02}, d_intermediate=0, attn_layer_idx=empty,
                   attn_cfg=None if empty is None else {})
     cfg = from_dict(config)
-    assert cfg.d_intermediate == 0 and cfg.attn_layer_idx == [] and cfg.attn_cfg == {} and cfg.rms_norm
+    if generation == "mamba1":  # no hybrid field set: a plain MambaConfig, which has none of them
+        assert type(cfg) is mm.MambaConfig
+    else:
+        assert cfg.d_intermediate == 0 and cfg.attn_layer_idx == [] and cfg.attn_cfg == {} and cfg.rms_norm
 
 
 def test_one_kv_list_shared_by_two_layers_is_refused():
     # [entry] * n_layer: step would append both layers' keys to one list, and layer 1 would read layer 0's
-    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=2, vocab_size=11, attn_layer_idx=[0, 1],
-                                      attn_cfg=dict(num_heads=2, causal=True)))
+    model = hybrid.HybridMambaLM(hybrid.HybridMambaConfig(d_model=16, n_layer=2, vocab_size=11, attn_layer_idx=[0, 1],
+                                                          attn_cfg=dict(num_heads=2, causal=True)))
     _, cache = model.prefill(torch.randint(0, 11, (1, 6)))
     tokens = cache[0][0].shape[1]
     with pytest.raises(ValueError, match=r"cache\[1\] is the same list as cache\[0\]"):
@@ -683,15 +701,15 @@ def test_one_kv_list_shared_by_two_layers_is_refused():
 def test_the_shared_kv_list_error_names_the_layer_that_holds_it_first():
     # attention at layers 0 and 2, a Mamba layer between: the list layer 2 repeats is layer 0's,
     # not the layer just before it
-    model = mm.MambaLM(mm.MambaConfig(d_model=16, n_layer=3, vocab_size=11, attn_layer_idx=[0, 2],
-                                      attn_cfg=dict(num_heads=2, causal=True)))
+    model = hybrid.HybridMambaLM(hybrid.HybridMambaConfig(d_model=16, n_layer=3, vocab_size=11, attn_layer_idx=[0, 2],
+                                                          attn_cfg=dict(num_heads=2, causal=True)))
     _, cache = model.prefill(torch.randint(0, 11, (1, 6)))
     with pytest.raises(ValueError, match=r"cache\[2\] is the same list as cache\[0\]; each layer needs a list"):
         model.step(torch.tensor([3]), [cache[0], cache[1], cache[0]])
 
 
 def test_bad_kv_caches_are_refused_before_anything_is_written(tmp_path):
-    model, *_ = hybrid(tmp_path, "mamba1", "gqa_conv")
+    model, *_ = hybrid_model(tmp_path, "mamba1", "gqa_conv")
     ids = torch.randint(0, VOCAB, (2, 5))
     token = ids[:, 0]
     _, cache = model.prefill(ids)
@@ -700,7 +718,7 @@ def test_bad_kv_caches_are_refused_before_anything_is_written(tmp_path):
         "a tuple": (tuple(cache[1]), r"cache\[1\] must be a list"),
         "k and v of different lengths": ([k, v[:, :4], valid, conv_state], r"same number of tokens"),
         "valid not bool": ([k, v, valid.long(), conv_state], r"cache\[1\] valid must be torch.bool"),
-        "no tokens": ([k[:, :0], v[:, :0], valid[:, :0], conv_state], "at least one token"),
+        "no tokens": ([k[:, :0], v[:, :0], valid[:, :0], conv_state], "at least one"),
     }
     for what, (entry, message) in bad.items():
         broken = list(cache)
@@ -717,6 +735,6 @@ def test_bad_kv_caches_are_refused_before_anything_is_written(tmp_path):
 def test_forward_mode_ad_through_a_hybrid_equals_central_differences(tmp_path, generation, layout_name):
     # attention layers too: under forward mode the attention runs PyTorch's math kernel, the only one
     # with a forward-mode rule on a CPU
-    model, _, _, _ = hybrid(tmp_path, generation, layout_name)
+    model, _, _, _ = hybrid_model(tmp_path, generation, layout_name)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
     assert_jvp_equals_central_differences(model, ids, seed=5)
