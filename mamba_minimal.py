@@ -4,9 +4,9 @@ official checkpoints.
 
 Read it top to bottom: it is the whole model, and it is the code that runs. It imports torch and
 pscan.py, which runs the recurrence h_t = a_t·h_{t-1} + b_t (read pscan.py's sections 1 and 9
-first, its parallel scan, sections 3-5 and 8, after section 5 here). Speed is one call away and
-lives in a file of its own: mamba_engine.accelerate(model) runs the same numbers with hand-written
-backwards, or the fused path through torch.compile.
+first, its parallel scan, sections 3-5 and 8, after this file's section 5). Speed is one call
+away and lives in a file of its own: mamba_engine.accelerate(model) runs the same numbers with
+hand-written backwards, or with compile=True the fused path through torch.compile.
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
@@ -114,8 +114,8 @@ def skip_and_gate(y, x, D, z):
 def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend="sequential", reset=None):
     """y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z); mamba_engine.py is tested against it.
     x, delta, z: (b, L, ED); A: (ED, N); B, C: (b, L, N); D: (ED,); h0: (b, ED, N) or None;
-    backend: the loop, or any of pscan.BACKENDS, the same h to rounding; reset: (b, L) bool, True
-    where a packed sequence starts (section 3's options).
+    backend: the loop, or any of pscan.BACKENDS, the same h to rounding; reset: (b, L) bool or
+    None, True where a packed sequence starts: the state restarts from zero there (dA = 0).
     -> y (b, L, ED) and the final state (b, ED, N), in fp32 (fp64 for fp64 inputs)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
@@ -131,12 +131,11 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
 
 
 # ------------------------------------------------------------------------------------------------
-
-# ------------------------------------------------------------------------------------------------
 # 3. The block
 # ------------------------------------------------------------------------------------------------
-# The mixer around the selective scan (Figure 3, §3.4) and its parts; its cache and one-token step
-# belong to recurrent inference (section 5), next to the forward here.
+# The mixer around the selective scan (Figure 3, §3.4) and its parts: the config, the norm, the
+# causal conv. Its one-token step, the recurrent form that section 5's generation runs, sits next
+# to its forward.
 
 def _is_positive_int(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -144,6 +143,20 @@ def _is_positive_int(value):
 
 def _is_positive_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+
+
+def check_dt_init(cfg):
+    """The numbers of the Δ init (dt_min, dt_max, dt_init_floor), in every generation's config: a
+    string there would fail deep inside the init, a NaN floor would make every Δ NaN."""
+    name = type(cfg).__name__
+    for key in ("dt_min", "dt_max"):
+        if not _is_positive_number(getattr(cfg, key)):
+            raise ValueError(f"{name}.{key} must be a positive number, got {getattr(cfg, key)!r}")
+    floor = cfg.dt_init_floor
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < math.inf:
+        raise ValueError(f"{name}.dt_init_floor must be a number >= 0, got {floor!r}")
+    if not cfg.dt_min <= cfg.dt_max:
+        raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
 
 
 @dataclass
@@ -194,20 +207,6 @@ class MambaConfig:
     def padded_vocab_size(self):
         m = self.pad_vocab_size_multiple
         return (self.vocab_size + m - 1) // m * m
-
-
-def check_dt_init(cfg):
-    """The numbers of the Δ init (dt_bias_init), in every generation's config: a string there would
-    fail deep inside the init, a NaN floor would make every Δ NaN."""
-    name = type(cfg).__name__
-    for key in ("dt_min", "dt_max"):
-        if not _is_positive_number(getattr(cfg, key)):
-            raise ValueError(f"{name}.{key} must be a positive number, got {getattr(cfg, key)!r}")
-    floor = cfg.dt_init_floor
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 <= floor < math.inf:
-        raise ValueError(f"{name}.dt_init_floor must be a number >= 0, got {floor!r}")
-    if not cfg.dt_min <= cfg.dt_max:
-        raise ValueError(f"need 0 < dt_min <= dt_max, got {cfg.dt_min} and {cfg.dt_max}")
 
 
 class RMSNorm(nn.Module):
@@ -545,6 +544,15 @@ def _batched_by_vmap(t):
     return False
 
 
+def _cache_entry_name(spec):
+    """How _check_cache names a layer's cache: "(conv_state, ssm_state) pair", or for an attention
+    layer, whose step replaces tensors in it, "list [k, v, valid, conv_state]"."""
+    names = ", ".join(name for name, *_ in spec)
+    if any(None in shape for _, shape, *_ in spec):
+        return f"list [{names}]"
+    return f"({names}) {'pair' if len(spec) == 2 else 'tuple'}"
+
+
 def _check_cache(model, cache, batch, written_in_place=False):
     """A cache must be prefill's for this model and batch: one entry per layer, each tensor of its
     layer's cache_spec (a None in a shape: an attention layer's tokens, any number). step writes
@@ -596,15 +604,6 @@ def _check_cache(model, cache, batch, written_in_place=False):
                 owners.append((*span, f"cache[{i}] {name}"))
         if len(tokens) > 1 or 0 in tokens:
             raise ValueError(f"cache[{i}] {', '.join(grows)} must hold the same number of tokens, at least one")
-
-
-def _cache_entry_name(spec):
-    """How _check_cache names a layer's cache: "(conv_state, ssm_state) pair", or for an attention
-    layer, whose step replaces tensors in it, "list [k, v, valid, conv_state]"."""
-    names = ", ".join(name for name, *_ in spec)
-    if any(None in shape for _, shape, *_ in spec):
-        return f"list [{names}]"
-    return f"({names}) {'pair' if len(spec) == 2 else 'tuple'}"
 
 
 def _check_options(model, input_ids, cache, seq_idx, attention_mask, read_values):
@@ -672,13 +671,9 @@ def top_k_top_p(logits, top_k=None, top_p=None):
     return logits
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """logits (b, V) -> token ids (b,). Greedy for temperature 0 or top_k 1."""
-    _check_sampling(temperature, top_k, top_p)
-    return _sample(logits, temperature, top_k, top_p, generator)
-
-
-def _sample(logits, temperature, top_k, top_p, generator):  # generate checked the arguments once
+def _sample(logits, temperature, top_k, top_p, generator):
+    """logits (b, V) -> token ids (b,), the arguments checked already (by sample_next below, or by
+    generate once for all its tokens)."""
     if temperature == 0 or top_k == 1:
         return logits.argmax(-1)
     # the largest logit moved to 0 first: a tiny temperature then sends the others to -inf, never
@@ -686,6 +681,12 @@ def _sample(logits, temperature, top_k, top_p, generator):  # generate checked t
     logits = logits.float()
     logits = top_k_top_p((logits - logits.max(-1, keepdim=True).values) / temperature, top_k, top_p)  # (b, V)
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """logits (b, V) -> token ids (b,). Greedy for temperature 0 or top_k 1."""
+    _check_sampling(temperature, top_k, top_p)
+    return _sample(logits, temperature, top_k, top_p, generator)
 
 
 def piece_of_packed_row(seq_idx, cache):

@@ -181,7 +181,8 @@ COPIER = textwrap.dedent('''
         same = torch.equal(model(prompt), fresh(prompt))
     out = fresh.generate(prompt, max_new_tokens=20, top_k=1)
     print(json.dumps({"losses": losses, "same_logits": same,
-                      "tied": fresh.lm_head.weight is fresh.backbone.embedding.weight, "generated": "".join(chars[i] for i in out[0].tolist()),
+                      "tied": fresh.lm_head.weight is fresh.backbone.embedding.weight,
+                      "generated": "".join(chars[i] for i in out[0].tolist()),
                       "same_tokens": torch.equal(out, model.generate(prompt, max_new_tokens=20, top_k=1))}))
 ''')
 
@@ -291,3 +292,19 @@ def test_the_lesson_imports_torch_pscan_and_the_standard_library_only():
 
 def test_the_lesson_is_at_most_900_lines():
     assert len((ROOT / "mamba_minimal.py").read_text().splitlines()) <= 900
+
+
+def test_the_lesson_reads_top_to_bottom_without_a_forward_reference():
+    # every module-level name a function or class of mamba_minimal.py uses is defined above it
+    tree = ast.parse((ROOT / "mamba_minimal.py").read_text())
+    defined = {}
+    for node in tree.body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        for name in names:
+            defined.setdefault(name, node.lineno)
+    ahead = [f"line {use.lineno}: {node.name} uses {use.id}, defined at line {defined[use.id]}"
+             for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+             for use in ast.walk(node) if isinstance(use, ast.Name) and isinstance(use.ctx, ast.Load)
+             and defined.get(use.id, 0) > node.lineno]
+    assert not ahead, ahead
