@@ -35,11 +35,12 @@ CHUNK_SIZE = 16  # the fused path's chunk length T (see section 2)
 # ------------------------------------------------------------------------------------------------
 # 1. One backward for the whole scan
 # ------------------------------------------------------------------------------------------------
-# not what: every path below is tested against selective_scan_reference and a float64 loop.
+# Every path of this file is tested against mamba_minimal.selective_scan_reference and a float64
+# loop (test_selective_scan.py, test_model.py).
 #
 # One backward for the whole scan. Autograd through selective_scan_reference differentiates each
 # broadcast on its own: exp(Δ·A), Δ·B·x and C·h each materialize and reduce (b, L, ED, N) tensors
-# in the backward, about half of a CPU training step (`python bench.py profile`). The official
+# in the backward, about half of a CPU training step (`python -m bench profile`). The official
 # selective_scan_fn has one backward for the whole operation, and so has _SelectiveScan below. Its
 # formulas, shared with the fused path's chunk backward (_scan_chunk_backward), follow from
 # h_t = dA_t·h_{t-1} + Δ_t·x_t·B_t with dA_t = exp(Δ_t·A), y_t = C_t·h_t, and
@@ -60,7 +61,7 @@ CHUNK_SIZE = 16  # the fused path's chunk length T (see section 2)
 # sequence, and G is one reverse scan, run by the forward's own backend (in place for the
 # "sequential" and "pscan" backends that "auto" picks). The forward keeps its inputs, the decays
 # dA and the states h: recomputing dA would save memory, but exp is the dearest op of the forward
-# (`python bench.py profile`).
+# (`python -m bench profile`).
 #
 # Two forms compute these formulas: one for a CPU and one for a GPU, since what a pass costs
 # differs. The same numbers to rounding, tested against the same float64 loop; _SelectiveScan
@@ -73,7 +74,7 @@ CHUNK_SIZE = 16  # the fused path's chunk length T (see section 2)
 # read each (b, L, ED) slice of G, dA and h (1.0 MB each) in turn while it is still in a cache,
 # L2 or L3, instead of making a pass over each whole tensor.
 #
-# Layout: in the CPU form the states are (b, L, N, ED), ED last, not section 1's (b, L, ED, N).
+# Layout: in the CPU form the states are (b, L, N, ED), ED last, not mamba_minimal.py's (b, L, ED, N).
 # With N as small as 2 (the trainer's CPU default), a last dimension of N would make every
 # broadcast and every sum over N run along 2 values, where one AVX-512 register holds 16 fp32
 # values; with ED last they run along 320 contiguous values, and the read-out C·h is a batched
@@ -184,7 +185,7 @@ def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
 # On a GPU: where the bytes go. A GPU does these formulas' arithmetic far faster than it can
 # fetch their operands, so what an eager step costs is nearly the bytes it moves between the
 # GPU's memory (HBM) and its cores, plus a few microseconds for each kernel (every eager op is
-# one). `python bench.py roofline` counts both, op by op and without a GPU, for one training
+# one). `python -m bench roofline` counts both, op by op and without a GPU, for one training
 # step at the trainer's CUDA default: batch 64, block 256, 6 layers of width 384, N = 16, bf16
 # autocast. There a (b, L, ED, N) fp32 tensor is U = 64·256·768·16·4 B = 805 MB, 16 times any
 # (b, L, ED) one, and every op that reads or writes one moves U. The rest of a layer (the
@@ -217,7 +218,7 @@ def _cpu_backward(grad_y, grad_last, x, delta, A, B, C, h0, dA, h, backend):
 # idea in PyTorch: compiled, Inductor fuses a chunk of T steps into one kernel that keeps its
 # states in registers and cache.
 #
-# The GPU form: the states in section 1's layout (b, L, ED, N), so that every contraction of the
+# The GPU form: the states in mamba_minimal.py's layout (b, L, ED, N), so that every contraction of the
 # backward is a batched matmul (cuBLAS reads its operand once) instead of a product and a sum
 # (which write the product and read it again); and the fewest passes over U, noted on each line.
 
@@ -358,7 +359,7 @@ def _recorded_gradients(ctx, inputs, grad_out, grad_last):
 
 def _forward_mode():
     """Whether forward-mode AD (torch.func.jvp, jacfwd, or torch.autograd.forward_ad) is differentiating
-    this call. The Functions of this section have no forward-mode rule (torch.compile refuses a
+    this call. The Functions of this file have no forward-mode rule (torch.compile refuses a
     Function that has one), so under it each runs the code it replaces, which forward mode
     differentiates op by op: the same numbers. (torch.func.jvp opens a dual level too.)"""
     return torch.autograd.forward_ad._current_level >= 0
@@ -372,7 +373,7 @@ def _partly_mapped(per_token, others):
 
 def _gpu_form(device):
     """Whether _SelectiveScan runs its GPU form: on any device but a CPU. (The tests, and the
-    model of `python bench.py roofline`, run it on a CPU by replacing this function.)"""
+    model of `python -m bench roofline`, run it on a CPU by replacing this function.)"""
     return device.type != "cpu"
 
 
@@ -395,7 +396,7 @@ def eager_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="au
 
 
 class _CausalConv(torch.autograd.Function):
-    """shifted_sum (section 3) with its backward written out. Autograd's would, for every tap, zero
+    """mamba_minimal.shifted_sum (its section 3) with its backward written out. Autograd's would, for every tap, zero
     a tensor the size of x_pad, copy the tap's gradient into it (the backward of a slice) and add
     them up; this backward writes the taps' gradients into one buffer, and each weight's gradient is one dot
     product over the batch and the sequence. The backward is made of differentiable ops, so a
@@ -451,7 +452,7 @@ class _CausalConv(torch.autograd.Function):
 # sequence in chunks: inside a chunk its threads run a parallel scan over the steps (cub's
 # BlockScan), and the running state is carried from one chunk to the next.
 #
-# Here, in PyTorch: for a chunk of T steps, discretize, run the recurrence from the carried
+# The fused path does it in PyTorch: for a chunk of T steps, discretize, run the recurrence from the carried
 # state, contract with C, add D·x, gate with SiLU(z), and pass the last state on. In a forward
 # pass, and in training with recompute (below), only (b, T, ED, N) is ever alive. Eagerly this
 # is still several passes over a small block; under torch.compile, Inductor fuses the chunk into
@@ -523,7 +524,7 @@ def _scan_chunk(x, delta, A, B, C, D, z, h, keep=None):
 
 def _scan_chunk_backward(x, delta, A, B, C, D, z, h0, keep, grad_out, grad_h):
     """Gradients of _scan_chunk from its inputs and the output gradients, recomputing the states:
-    the formulas of "One backward for the whole scan" at the top of this section, on a chunk of T
+    the formulas of "One backward for the whole scan" at the top of section 1, on a chunk of T
     steps (grad_h is the gradient of the chunk's end state). Every reduction is taken inside the
     reverse loop, step by step. Batching them after the loop
     looks more vectorized but needs G and h as (b, T, ED, N) tensors. In Inductor's generated C++
@@ -753,7 +754,7 @@ def _forward_in_one_call(x, delta, A, B, C, D, z, h, T):
 
 def fused_selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, chunk_size=CHUNK_SIZE,
                          recompute=True, compile=False, reset=None):
-    """The scan chunk by chunk, computed in fp32 at least (as section 2). Returns y (b, L, ED) and
+    """The scan chunk by chunk, computed in fp32 at least (as selective_scan_reference). Returns y (b, L, ED) and
     the final state (b, ED, N)."""
     x, delta, A, B, C = (_at_least_fp32(t) for t in (x, delta, A, B, C))
     D, z = (None if t is None else t.to(x.dtype) for t in (D, z))
@@ -807,10 +808,11 @@ chunked_selective_scan = fused_selective_scan  # deprecated alias: "chunked" nam
 # ------------------------------------------------------------------------------------------------
 # selective_scan takes the arguments of the official selective_scan_fn, except that Δ
 # arrives already through softplus (no delta_bias, delta_softplus) and the layout is (b, L, ED),
-# not (b, ED, L). It sends each call to eager_selective_scan (section 2's reference with the
-# backward above), to the fused path, or with "reference" to section 2's code itself.
+# not (b, ED, L). It sends each call to eager_selective_scan (the lesson's selective_scan_reference
+# with section 1's backward), to section 2's fused path, or with "reference" to
+# selective_scan_reference itself.
 #
-# The eager backends name the pscan.py scan that runs the recurrence; "fused" is this section's
+# The eager backends name the pscan.py scan that runs the recurrence; "fused" is section 2's
 # chunk-by-chunk path, which runs its own loop. "chunked" is accepted for "fused" with a
 # DeprecationWarning: the word belongs to Mamba-2's chunked SSD (mamba2_minimal.py).
 SCAN_BACKENDS = ("auto", "reference", "sequential", "pscan", "hillis_steele", "two_level", "associative", "fused",
@@ -822,13 +824,13 @@ COMPILE_MODES = (False, True, "loop")
 def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", compile=False,
                    return_last_state=False, chunk_size=CHUNK_SIZE, recompute=True, reset=None):
     """The selective scan y = SSM(Δ, A, B, C)(x) + D·x, gated by SiLU(z): selective_scan_reference
-    or this section's fused path, with the same numbers to rounding.
+    or section 2's fused path, with the same numbers to rounding.
 
     Args:
-        x, delta, A, B, C, D, z, h0: as in selective_scan_reference (section 2)
+        x, delta, A, B, C, D, z, h0: as in mamba_minimal.selective_scan_reference
         backend: "sequential", "pscan", "hillis_steele", "two_level", "associative" (the pscan.py
                  scan that eager_selective_scan runs over materialized tensors), "auto" (pscan.scan's
-                 choice), "fused" (the fused path of this section; "chunked": deprecated, "fused"),
+                 choice), "fused" (the fused path of section 2; "chunked": deprecated, "fused"),
                  or "reference" (selective_scan_reference itself, plain autograd)
         compile: False; True to run the fused path through torch.compile (implies
                  backend="fused"), chunk by chunk; "loop" to compile, for forward-only passes,
@@ -863,7 +865,7 @@ def selective_scan(x, delta, A, B, C, D=None, z=None, h0=None, backend="auto", c
 # every layer's step (fullgraph, so either all of it compiles or nothing runs), the cache tensors
 # its inputs, written in place as the eager step writes them. Each new batch size or dtype
 # compiles again (tens of seconds on a CPU), so it pays off over long generations; it is opt-in
-# (generate(..., compile=True)). `python bench.py decode` measures both.
+# (compile_decode(model)). `python -m bench decode` measures both.
 
 _compiled_steps = weakref.WeakKeyDictionary()  # model -> its compiled step, or its eager one after a failure
 
@@ -877,7 +879,7 @@ def decode_step(model, compile=False):
     eager = type(model)._step.__get__(model)  # the class's step, whatever compile_decode set
     if getattr(model.cfg, "attn_layer_idx", None) and model not in _compiled_steps:
         # an attention layer's KV cache grows by a token per step: a new shape, a new graph, each token
-        warnings.warn("compile=True covers models without attention layers; decoding eagerly", stacklevel=3)
+        warnings.warn("compile_decode covers models without attention layers; decoding eagerly", stacklevel=3)
         _compiled_steps[model] = eager
     if model not in _compiled_steps:
         compiled = torch.compile(eager, fullgraph=True, dynamic=False)
@@ -909,7 +911,7 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, 
     if compile not in COMPILE_MODES:
         raise ValueError(f"compile must be one of {COMPILE_MODES}, got {compile!r}")
     if backend == "reference" and compile:
-        raise ValueError("backend='reference' runs section 2's code, compile runs the fused path: choose one")
+        raise ValueError("backend='reference' runs the lesson's code, compile runs the fused path: choose one")
     for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got a {type(t).__name__}")
