@@ -8,6 +8,9 @@ Mamba3Config.rotations_off, against what they claim: an LTI layer that is one fi
 (pscan.scan_time_invariant), and a Mamba-3 whose angles are zero.
 """
 
+import errno
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,7 +233,6 @@ def test_main_writes_its_results(tmp_path, monkeypatch, capsys):
         state_tracking.main(["--models", "mamba4"])
 
 
-
 @pytest.mark.parametrize("task", [induction_heads, mqar, selective_copying, state_tracking])
 @pytest.mark.parametrize("argv,named", [(["--models", ""], "--models"), (["--models", ","], "--models"),
                                         (["--models", "mamba,mamba2,mamba"], "--models"),
@@ -247,6 +249,75 @@ def test_a_bad_task_command_line_ends_in_one_error_line_before_training(task, ar
         task.main(argv + ["--steps", "1", "--seeds", "1"])
     assert exit.value.code == 2
     assert named in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("task", [induction_heads, mqar, selective_copying, state_tracking])
+def test_threads_far_above_the_cores_are_refused_before_torch_sees_them(task, tmp_path, monkeypatch, capsys):
+    # torch segfaults at set_num_threads(100000) (fuzz-3 F10): more than 4 threads a core is refused by
+    # name, and 4 a core is taken
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(common, "train", lambda *a, **k: pytest.fail("trained"))
+    most = 4 * (os.cpu_count() or 1)
+    with pytest.raises(SystemExit) as exit:
+        task.main(["--threads", str(most + 1), "--steps", "1", "--seeds", "1", "--out-dir", str(tmp_path)])
+    assert exit.value.code == 2 and threads == []
+    assert f"--threads {most + 1} is more than 4 x the" in capsys.readouterr().err.strip().splitlines()[-1]
+    common.arguments("d", ["mamba"], 1, argv=["--threads", str(most), "--out-dir", str(tmp_path)])
+    assert threads == [most]
+
+
+def refusing_writes(tmp_path, error):
+    """An open() for common that raises error (an errno) for every file opened for writing under
+    tmp_path, as a full or read-only disk does, and opens the rest."""
+    def fake_open(path, mode="r", *args, **kwargs):
+        if str(path).startswith(str(tmp_path)) and mode[0] in "wa":
+            raise OSError(error, os.strerror(error), str(path))
+        return open(path, mode, *args, **kwargs)
+    return fake_open
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS])
+def test_an_out_dir_that_takes_no_file_is_refused_before_training(error, tmp_path, monkeypatch, capsys):
+    # fuzz-3 F8: the folder can be made on a full or read-only disk, and the results could not be
+    # written after minutes of training; a file written at the start finds it out
+    monkeypatch.setattr(common, "open", refusing_writes(tmp_path, error), raising=False)
+    monkeypatch.setattr(common, "train", lambda *a, **k: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as exit:
+        mqar.main(["--models", "mamba", "--steps", "1", "--seeds", "1", "--out-dir", str(tmp_path / "out")])
+    assert exit.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--out-dir {tmp_path / 'out'} cannot be written: {os.strerror(error)}" in last
+    assert os.listdir(tmp_path / "out") == []  # no probe left behind
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS])
+def test_results_that_cannot_be_written_end_in_one_error_line(error, tmp_path, monkeypatch):
+    # a disk that fills up (or is remounted read-only) during the run: the results JSON and the
+    # figure end the command with one line naming the file, and leave no temporary file
+    args = common.arguments("d", ["mamba"], 1, argv=["--out-dir", str(tmp_path)])
+    monkeypatch.setattr(common, "open", refusing_writes(tmp_path, error), raising=False)
+    with pytest.raises(SystemExit) as exit:
+        common.save_results(args, "mqar", {"mamba": []})
+    assert exit.value.code == f"error: could not write {tmp_path / 'mqar.json'} (disk full or read-only?): " \
+                              f"{os.strerror(error)}"
+
+    class Figure:  # matplotlib's Figure as save_figure uses it, on the same disk
+        def suptitle(self, *a, **k):
+            pass
+
+        def tight_layout(self):
+            pass
+
+        def savefig(self, path, **k):
+            with common.open(path, "wb"):
+                pass
+
+    with pytest.raises(SystemExit) as exit:
+        common.save_figure(Figure(), args, "mqar", "MQAR")
+    assert exit.value.code == f"error: could not write {tmp_path / 'mqar.png'} (disk full or read-only?): " \
+                              f"{os.strerror(error)}"
+    assert os.listdir(tmp_path) == []
 
 
 def test_learning_rate_warms_up_then_follows_a_cosine_to_a_tenth():

@@ -13,11 +13,13 @@ positions only, the answers.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -168,12 +170,24 @@ def arguments(description, models, steps, extra=None, argv=None):
         p.error(f"--models needs one or more different names, got {','.join(args.models)!r}")
     if args.seeds < 1 or args.steps < 1 or args.threads < 1:
         p.error("--seeds, --steps and --threads must be positive")
+    cores = os.cpu_count() or 1
+    if args.threads > 4 * cores:  # torch crashes (SIGSEGV) far above the cores
+        p.error(f"--threads {args.threads} is more than 4 x the {cores} cores this machine has")
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         p.error(f"--out-dir {args.out_dir} is a file; it must be a folder (created if missing)")
     try:  # now, not after the first model has trained for minutes
         os.makedirs(args.out_dir, exist_ok=True)
     except OSError as err:
         p.error(f"--out-dir {args.out_dir}: {err.strerror or err}")
+    probe = os.path.join(args.out_dir, f".write-test{os.getpid()}")
+    try:  # a byte, not an empty file: a full disk still makes empty files
+        with open(probe, "w") as f:
+            f.write("x")
+    except OSError as err:
+        p.error(f"--out-dir {args.out_dir} cannot be written: {err.strerror or err}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
     torch.set_num_threads(args.threads)
     return args
 
@@ -206,15 +220,31 @@ def print_table(title, rows, columns):
         print(f"| {label} | " + " | ".join(spread(cells.get(c, [])) for c in columns) + " |")
 
 
+def write_file(path, write):
+    """write(tmp) writes the file at the path tmp; then tmp is renamed to path, so that a reader never
+    sees half a file. A full or read-only disk ends the command with one line (the lines printed
+    after each run keep its numbers), and no temporary file is left."""
+    tmp = path + ".tmp"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # made at the start, unless removed since
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        sys.exit(f"error: could not write {path} (disk full or read-only?): {err.strerror or err}")
+    print(f"wrote {path}")
+
+
 def save_results(args, name, record):
     """Writes out_dir/name.json: every run's numbers (record), the machine and the settings."""
-    os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, f"{name}.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(runs=record, machine=machine(), settings=vars(args)), f, indent=1)
-    os.replace(tmp, path)  # a reader never sees half a file
-    print(f"wrote {path}")
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(dict(runs=record, machine=machine(), settings=vars(args)), f, indent=1)
+
+    write_file(path, write)
     return path
 
 
@@ -236,9 +266,7 @@ def save_figure(fig, args, name, title):
     fig.suptitle(f"{title}, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds "
                  f"(python -m tasks.{name})\n{machine()}", fontsize=8)
     fig.tight_layout()
-    path = f"{args.out_dir}/{name}.png"
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    write_file(os.path.join(args.out_dir, f"{name}.png"), lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
 
 
 def timed(fn, *args, **kwargs):

@@ -13,9 +13,10 @@ such as S4 cannot select by content, since its output is the input convolved wit
 (pscan.py §2); making Δ, B and C functions of the token (selection, S6) solves the task. Table 1
 sets S4 and S6 inside the same blocks (H3's, Mamba's) and only S6 solves it.
 
-The ablation: the same Mamba-1 model twice, once as it is and once with MambaConfig(selection_off=True),
-where Δ, B and C are learned constants instead of functions of the token: an S4D-style LTI layer,
-the rest of the block (the short conv, the gate) unchanged.
+The ablation: the same Mamba-1 model twice, once as it is and once with the mixer of
+tasks/selection_off.py (MambaLM(cfg, mixer_cls=SelectionOffMixer)), where Δ, B and C are learned
+constants instead of functions of the token: an S4D-style LTI layer, the rest of the block (the
+short conv, the gate) unchanged.
 
 The data, in the paper's form at a smaller size: a region of `span` positions holding 8 data
 tokens (from 8 symbols) at random positions, noise (one blank token) elsewhere, then 8 markers;
