@@ -511,7 +511,7 @@ def test_accelerate_by_default_runs_the_engine_the_trainer_ran_before(monkeypatc
 
 
 @pytest.mark.parametrize("engine", ["auto", "sequential", "fused"])
-def test_the_read_path_trains_exactly_like_the_engine(engine):
+def test_the_model_as_built_trains_exactly_like_the_engine(engine):
     # the model as built runs mamba_minimal.py's sections 2 and 3 under autograd; the engine's
     # hand-written backwards and fused path must give the same losses and updates, step after step
     read = tiny_model().double()
@@ -564,7 +564,7 @@ def test_the_model_as_built_runs_the_lessons_functions_and_nothing_of_the_engine
     assert back == lesson
 
 
-def test_the_read_path_scans_with_the_loop_not_autos_dispatch(monkeypatch):
+def test_the_model_as_built_scans_with_the_loop_not_autos_dispatch(monkeypatch):
     # the model as built scans with pscan.py section 1's loop, as the official selective_scan_ref
     # does, so a reader following its calls reads neither the parallel tree (sections 5 and 8) nor a
     # backend choice (pscan.py appendix C); "auto" would pick the tree for a training step here

@@ -505,7 +505,7 @@ def test_pscans_backward_scans_in_place_without_flipped_copies():
 
 @pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 8, 13, 64, 100])
 def test_the_tree_backwards_in_place_is_the_reverse_recurrence(L):
-    # pscan section 8's mirror-image tree, which pscan's backward and mamba_minimal.py's engine run:
+    # pscan section 8's mirror-image tree, which pscan's backward and mamba_engine.py's backward run:
     # g_t = a_{t+1}·g_{t+1} + x_t from the end, in place on a strided view, against the float64 loop
     # run on the time-reversed sequence
     a, x, _ = make_inputs(2, L, (3,))

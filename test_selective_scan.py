@@ -363,7 +363,7 @@ def test_a_non_cpu_device_runs_the_gpu_form():
 
 
 def test_auto_runs_the_loop_on_a_gpu_at_the_trainers_cuda_default():
-    # the choice of `python bench.py roofline`: at (64, 768, 16) per step the loop's 4 passes per
+    # the choice of `python -m bench roofline`: at (64, 768, 16) per step the loop's 4 passes per
     # scan cost less than the tree's 11, even at 255 kernels per scan; narrow steps keep the tree,
     # and so does any scan that autograd records (L steps in its graph)
     from train_shakespeare import DEFAULTS
