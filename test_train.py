@@ -1657,3 +1657,24 @@ def test_a_log_that_cannot_be_written_is_a_one_line_error(text_file, tmp_path, c
     monkeypatch.setattr(ts, "truncate_log", lambda *a: None)
     with pytest.raises(SystemExit, match=r"could not write .*log\.jsonl \(disk full or read-only\?\)"):
         run(common + ["--max-iters", "4", "--resume"], capsys)  # a row appended at the next evaluation
+
+
+def test_a_checkpoint_of_the_trainer_before_mamba_engine_samples_and_resumes(text_file, tmp_path, capsys):
+    # the trainer once saved Mamba's run options, and the plain values of the hybrid fields, in the
+    # config; MambaConfig has neither now
+    out_dir = str(tmp_path / "run")
+    common = ["--data", text_file, "--out-dir", out_dir, "--eval-interval", "2"] + TINY
+    run(common + ["--max-iters", "2"], capsys)
+    old = dict(scan_backend="auto", compile_scan=False, chunk_size=16, recompute=True, d_intermediate=0,
+               attn_layer_idx=[], attn_cfg={}, rms_norm=True, selection_off=False)
+    for name in ("best.pt", "last.pt"):
+        ckpt = torch.load(os.path.join(out_dir, name), weights_only=True)
+        torch.save({**ckpt, "config": {**ckpt["config"], **old}}, os.path.join(out_dir, name))
+    out = run(["--sample", "--out-dir", out_dir, "--prompt", "First", "--num-chars", "5"], capsys)
+    assert out.startswith("First") and len(out) == 5 + 5 + 1
+    run(common + ["--max-iters", "4", "--resume"], capsys)
+    assert torch.load(os.path.join(out_dir, "last.pt"), weights_only=True)["step"] == 4
+    ckpt = torch.load(os.path.join(out_dir, "best.pt"), weights_only=True)
+    torch.save({**ckpt, "config": {**ckpt["config"], "d_intermediate": 8}}, tmp_path / "hybrid.pt")
+    with pytest.raises(SystemExit, match="cannot build the mamba model: .*d_intermediate"):
+        ts.main(["--sample", "--checkpoint", str(tmp_path / "hybrid.pt")])

@@ -995,8 +995,8 @@ def resume(run, ckpt):
     if wrong:
         damaged(path, ", ".join(f"its {k} is {ckpt[k]!r}" for k in wrong))
     rng = ckpt["torch_rng"]
-    if not (isinstance(rng, torch.Tensor) and rng.shape == torch.get_rng_state().shape):
-        damaged(path, "its torch_rng is not torch's random state")  # set_rng_state would crash at the end
+    if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.shape == torch.get_rng_state().shape):
+        damaged(path, "its torch_rng is not torch's random state")
     try:
         run.raw_model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
