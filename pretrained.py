@@ -11,21 +11,16 @@ command that runs one with its tokenizer.
     python pretrained.py score state-spaces/mamba2-130m --text essay.txt   # mean loss per token
 
 MODEL is a hub id (downloaded with huggingface_hub) or a folder holding config.json and the weights,
-in the official layout or in transformers' (-hf). config.json says which generation it is
-(ssm_cfg.layer, or transformers' model_type), and so which of MambaLM (HybridMambaLM with attention
-or MLP layers), Mamba2LM and Mamba3LM loads it. The model files know no checkpoint layout: this file
-maps every layout onto their module trees.
-
-A folder is data, never code: its config.json, index and weights must be regular files (a symbolic
-link to one, as in the hub's cache, is one), read with a size bound; weights are tensors only (no
-pickled objects), checked against config.json before any model is built, and built without memory
-for the parameters they replace. A folder that holds a tokenizer (a transformers -hf checkpoint) is
-read with that tokenizer, and transformers is told never to run code from it. The official
-checkpoints ship no tokenizer: Mamba-1 and Mamba-2 were trained on the Pile with GPT-NeoX's
-(EleutherAI/gpt-neox-20b, as the official benchmarks/benchmark_generation_mamba_simple.py loads it),
-the Mamba-3 checkpoints with Llama 3's (meta-llama/Llama-3.1-8B, a gated repository: accept its
-license on the hub and log in, or pass --tokenizer with a folder or another copy of it). The
-tokenizer needs the transformers package; the model itself needs only torch.
+official or transformers' (-hf) layout. config.json says which generation it is, and so which of
+MambaLM (HybridMambaLM with attention or MLP layers), Mamba2LM and Mamba3LM loads it: the model files
+know no checkpoint layout. A folder is data, never code: regular files only (a symbolic link to one,
+as in the hub's cache, is one), tensors only, sizes checked against config.json before a model is
+built, and no memory made for the parameters the weights replace. A folder's own tokenizer (a -hf
+checkpoint's) is read from that folder, and never runs code from it. The official checkpoints ship
+none: Mamba-1 and -2 were trained with GPT-NeoX's (EleutherAI/gpt-neox-20b, as the official
+benchmarks/benchmark_generation_mamba_simple.py loads it), Mamba-3 with Llama 3's
+(meta-llama/Llama-3.1-8B, gated: accept its license on the hub and log in, or pass --tokenizer). The
+tokenizer needs the transformers package; the model needs only torch.
 
 Sections:
   1. Reading a folder: hub ids, regular files, the weights files (whole or sharded)
@@ -70,35 +65,29 @@ def _first_line(err):
 # ------------------------------------------------------------------------------------------------
 # 1. Reading a folder: hub ids, regular files, the weights files (whole or sharded)
 # ------------------------------------------------------------------------------------------------
-# Two layouts. Official (state-spaces/mamba-130m ...): config.json with d_model, n_layer, vocab_size,
-# ssm_cfg, pad_vocab_size_multiple, ...; the weights in pytorch_model.bin under the model's own key
-# names. transformers (state-spaces/mamba-130m-hf ...): config.json with hidden_size,
-# num_hidden_layers, state_size, ...; the same key names except backbone.embeddings.*, often in
-# model.safetensors, which may leave out the tied lm_head.weight. Larger checkpoints come in shards
-# that an index.json lists. Every file is opened only once it is known to be a regular file: a FIFO
-# would wait forever, /dev/zero would be read until memory runs out.
+# Two layouts. Official (state-spaces/mamba-130m): the weights in pytorch_model.bin under the model's
+# own key names. transformers (state-spaces/mamba-130m-hf): the same names but backbone.embeddings.*,
+# often in model.safetensors without the tied lm_head.weight. Large checkpoints come in shards that an
+# index.json lists. A file is opened only once it is known to be a regular file: a FIFO would wait
+# forever, /dev/zero be read until memory runs out.
 
 MAX_JSON_BYTES = 16 << 20  # config.json is a few KB; a large model's index.json a few hundred KB
 
 
-def _check_regular(path, mode):
+def _regular_file(path, mode=None):
+    """Refuse path (of the mode given, else os.stat's) unless it is a regular file or a symbolic link to one."""
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            if os.path.islink(path):
+                raise FileNotFoundError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist "
+                                        f"(an interrupted download? download it again)") from None
+            raise
     if not stat.S_ISREG(mode):
         kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
                 else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a plain file")
         raise ValueError(f"{path} is {kind}; a checkpoint's files must be regular files")
-
-
-def _regular_file(path):
-    """path's size in bytes, if it is a regular file or a symbolic link to one; else an error."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        if os.path.islink(path):
-            raise FileNotFoundError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist "
-                                    f"(an interrupted download? download it again)") from None
-        raise
-    _check_regular(path, st.st_mode)
-    return st.st_size
 
 
 def _read_json(path, what):
@@ -107,7 +96,7 @@ def _read_json(path, what):
     _regular_file(path)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
-        _check_regular(path, os.fstat(f.fileno()).st_mode)
+        _regular_file(path, os.fstat(f.fileno()).st_mode)
         data = f.read(MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise ValueError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MB: not a checkpoint's {what}")
@@ -132,12 +121,6 @@ def read_config_json(folder):
     return d
 
 
-def _looks_like_a_path(s):
-    # a hub id is "owner/name": one slash, no leading "/", ".", or "~"
-    return (os.path.isabs(s) or s.startswith(("./", "../", "~", ".\\", "..\\"))
-            or s.count("/") > 1 or (os.sep != "/" and os.sep in s))
-
-
 def _resolve_folder(path_or_id):
     """A folder, or a hub id downloaded (or found in the hub's cache) -> the folder to read."""
     if not isinstance(path_or_id, (str, os.PathLike)):
@@ -150,17 +133,15 @@ def _resolve_folder(path_or_id):
         return path_or_id
     if os.path.lexists(path_or_id):
         raise ValueError(f"{path_or_id} is a file; pass the folder holding config.json and the weights")
-    if _looks_like_a_path(path_or_id) or not re.fullmatch(r"[\w.-]+/[\w.-]+", path_or_id):
+    if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", path_or_id) or ".." in path_or_id:  # a hub id: owner/name
         raise FileNotFoundError(f"the folder {path_or_id} does not exist (pass a folder holding config.json "
                                 f"and the weights, or a hub id such as state-spaces/mamba-130m)")
     try:
         from huggingface_hub import list_repo_files, snapshot_download
     except ImportError:
-        raise FileNotFoundError(
-            f"{path_or_id!r} is not a folder, and huggingface_hub is not installed to download it. "
-            f"Either `pip install huggingface_hub`, or download config.json and model.safetensors "
-            f"(or pytorch_model.bin) from https://huggingface.co/{path_or_id} into a folder and pass "
-            f"that folder.") from None
+        raise FileNotFoundError(f"{path_or_id!r} is not a folder, and huggingface_hub is not installed to download "
+                                f"it: pip install huggingface_hub, or download config.json and the weights from "
+                                f"https://huggingface.co/{path_or_id} into a folder and pass that folder") from None
     try:
         files = list_repo_files(path_or_id)
     except Exception:  # offline or unreachable: snapshot_download answers from the cache, or says why not
@@ -177,10 +158,9 @@ def _safetensors_installed():
 
 
 def _download_patterns(files):
-    """What to download of a repository with these files: config.json and one format of weights
-    with its index (sharded repositories list their shards in model.safetensors.index.json or
-    pytorch_model.bin.index.json), .safetensors where the repository has it and the package is
-    installed. files None (the list is unknown, offline): both formats, as the cache holds them."""
+    """What to download of a repository with these files: config.json and one format of weights with
+    its index, .safetensors where the repository has it and the package is installed. files None (the
+    list is unknown, offline): both formats, as the cache holds them."""
     safetensors = ["*.safetensors", "model.safetensors.index.json"]
     pickles = ["*.bin", "pytorch_model.bin.index.json"]
     if files is None:
@@ -192,9 +172,8 @@ def _download_patterns(files):
 
 
 def _weights_files(folder):
-    """The folder's weights files, in the order they are tried: safetensors first, whole or sharded
-    (as transformers does), unless the safetensors package is missing: then the .bin, whole or
-    sharded, is read where the folder has one."""
+    """The folder's weights files in the order they are tried: safetensors first (as transformers
+    does), whole or sharded, unless the package is missing; then the .bin."""
     safetensors = ["model.safetensors", "model.safetensors.index.json"]
     pickles = ["pytorch_model.bin", "pytorch_model.bin.index.json"]
     order = safetensors + pickles if _safetensors_installed() else pickles + safetensors
@@ -202,10 +181,8 @@ def _weights_files(folder):
 
 
 def _load_state_dict_file(folder):
-    """The folder's weights as one dict: model.safetensors, pytorch_model.bin, or the shards that a
-    model.safetensors.index.json or pytorch_model.bin.index.json lists (transformers'
-    save_pretrained splits models above its max_shard_size). A tensor in two shards is refused:
-    which copy is meant would depend on the order the shards are read in."""
+    """The folder's weights as one dict: model.safetensors, pytorch_model.bin, or the shards their
+    index.json lists. A tensor in two shards is refused: the order of reading would pick the copy."""
     for path in _weights_files(folder):
         if not os.path.lexists(path):
             continue
@@ -233,13 +210,10 @@ def _load_state_dict_file(folder):
 
 
 def _read_weights(path):
-    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor. A .bin is
-    memory-mapped: its tensors are the file's pages, read from disk as they are used, so that
-    loading holds no second copy of the weights. safetensors 0.8 maps its files so too; their
-    tensors start where the file puts them, aligned to their element size, not to torch's 64, and CPU
-    kernels may round a last bit otherwise over such memory (the same values; a matmul in fp64
-    differed by 1e-16). A copy to aligned memory would hold the weights twice while loading.
-    A .bin is read with weights_only=True: a pickle that would build anything but tensors is refused."""
+    """One weights file (.bin or .safetensors) as a dict of tensor name -> tensor, memory-mapped: the
+    tensors are the file's pages, so loading holds no second copy (safetensors' are aligned to their
+    element size, not torch's 64: a CPU kernel may round a last bit otherwise, 1e-16 in fp64). A .bin
+    is read with weights_only=True: a pickle that would build anything but tensors is refused."""
     _regular_file(path)
     safetensors = path.endswith(".safetensors")
     if safetensors:
@@ -270,29 +244,25 @@ def _read_weights(path):
     if not isinstance(state_dict, dict):
         raise ValueError(f"{path} must hold a dict of tensor name -> tensor (a state dict), got a "
                          f"{type(state_dict).__name__}")
-    odd = [k for k in state_dict if not isinstance(k, str)]
-    if odd:
-        raise ValueError(f"{path} must name its tensors with strings, got the key {odd[0]!r}")
+    if not all(isinstance(k, str) for k in state_dict):
+        raise ValueError(f"{path} must name its tensors with strings, got the keys {list(state_dict)[:4]}")
     wrong = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if wrong:
         raise ValueError(f"{path} must hold only tensors; not tensors: {wrong[:4]}{' ...' if len(wrong) > 4 else ''}")
-    for name, t in state_dict.items():
-        if t.device.type == "meta" or t.layout != torch.strided:  # shapes without values, or a sparse tensor
-            raise ValueError(f"checkpoint tensor {name} in {path} is a {t.layout} tensor on {t.device.type}; "
-                             f"a checkpoint holds dense tensors with their values")
+    odd = [k for k, t in state_dict.items() if t.device.type == "meta" or t.layout != torch.strided]
+    if odd:  # shapes without values, or a sparse tensor
+        raise ValueError(f"checkpoint tensor {odd[0]} in {path} is a {state_dict[odd[0]].layout} tensor on "
+                         f"{state_dict[odd[0]].device.type}; a checkpoint holds dense tensors with their values")
     return state_dict
 
 
 # ------------------------------------------------------------------------------------------------
 # 2. config.json -> a config, for each generation and the hybrids
 # ------------------------------------------------------------------------------------------------
-# The official config.json is MambaLMHeadModel's config (mamba_ssm/models/config_mamba.py): the
-# model's fields at the top (d_model, d_intermediate, n_layer, vocab_size, attn_layer_idx, attn_cfg,
-# rms_norm, residual_in_fp32, fused_add_norm, pad_vocab_size_multiple, tie_embeddings) and the
-# mixer's in ssm_cfg, whose "layer" names the generation. The hybrid fields (an MLP after each mixer,
-# attention in some layers, LayerNorm) are hybrid.py's, in every generation. transformers writes its
-# own names (hidden_size, num_hidden_layers, state_size ...) for Mamba-1 and Mamba-2, and never pads
-# the vocabulary: its embedding has exactly vocab_size rows.
+# The official config.json is MambaLMHeadModel's config (mamba_ssm/models/config_mamba.py): the model's
+# fields at the top, the hybrid fields (hybrid.py's) among them, and the mixer's in ssm_cfg, whose
+# "layer" names the generation. transformers writes its own names (hidden_size, num_hidden_layers,
+# state_size ...) for Mamba-1 and -2, and never pads the vocabulary: its embedding has vocab_size rows.
 
 def _is_transformers(d):
     return "hidden_size" in d or "num_hidden_layers" in d
@@ -333,9 +303,8 @@ def _check_activation(d):
 
 
 def official_lm_fields(d, ours):
-    """The fields of an official config.json that a config class has (ours: its field names), with
-    null attn_layer_idx and attn_cfg read as the official defaults (create_block does); fused_add_norm
-    and initializer_cfg, which choose kernels and an init, are left out."""
+    """The fields of an official config.json that a config class has (ours: its field names), null
+    attn_layer_idx and attn_cfg read as the official defaults (as create_block does)."""
     kwargs = {k: v for k, v in d.items() if k in ours}
     for name in ("attn_layer_idx", "attn_cfg"):
         if name in kwargs and kwargs[name] is None:
@@ -345,13 +314,11 @@ def official_lm_fields(d, ours):
 
 # Mamba-1. transformers' MambaConfig name -> MambaConfig's
 _HF_FIELDS = {
-    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
-    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "time_step_rank": "dt_rank",
-    "use_conv_bias": "conv_bias", "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max",
-    "time_step_floor": "dt_init_floor", "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon",
-    "tie_word_embeddings": "tie_embeddings", "residual_in_fp32": "residual_in_fp32",
-    "time_step_init_scheme": "dt_init",
-}
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size", "state_size": "d_state",
+    "expand": "expand", "conv_kernel": "d_conv", "time_step_rank": "dt_rank", "use_conv_bias": "conv_bias",
+    "use_bias": "bias", "time_step_min": "dt_min", "time_step_max": "dt_max", "time_step_floor": "dt_init_floor",
+    "time_step_scale": "dt_scale", "layer_norm_epsilon": "norm_epsilon", "tie_word_embeddings": "tie_embeddings",
+    "residual_in_fp32": "residual_in_fp32", "time_step_init_scheme": "dt_init"}
 _OFFICIAL_SSM_FIELDS = {"d_state", "d_conv", "expand", "dt_rank", "dt_min", "dt_max", "dt_init_floor",
                         "dt_scale", "conv_bias", "bias", "dt_init"}
 _HYBRID_FIELDS = ("d_intermediate", "attn_layer_idx", "attn_cfg", "rms_norm")
@@ -398,13 +365,11 @@ def config_from_dict(d, **overrides):
 # and attn_cfg. transformers' Mamba2ForCausalLM: num_heads, head_dim, n_groups, ..., and
 # tie_word_embeddings false unless it says otherwise.
 _MAMBA2_HF_FIELDS = {
-    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size",
-    "state_size": "d_state", "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim",
-    "n_groups": "ngroups", "chunk_size": "chunk_size", "time_step_min": "dt_min",
-    "time_step_max": "dt_max", "time_step_floor": "dt_init_floor", "time_step_limit": "dt_limit",
-    "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
-    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings",
-}
+    "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size", "state_size": "d_state",
+    "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim", "n_groups": "ngroups",
+    "chunk_size": "chunk_size", "time_step_min": "dt_min", "time_step_max": "dt_max", "time_step_floor": "dt_init_floor",
+    "time_step_limit": "dt_limit", "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
+    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings"}
 _MAMBA2_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
                       "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
 # official Mamba2 options that only change how it runs or how it is initialized
@@ -413,28 +378,22 @@ _MAMBA2_IGNORED = {"use_mem_eff_path", "conv_init", "layer_idx", "process_group"
 _MAMBA2_FIXED = {"D_has_hdim": False, "rmsnorm": True, "norm_before_gate": False}
 
 
-def _numbers(name, values):
-    """A JSON pair such as dt_limit as a tuple of numbers: transformers 5 writes inf to config.json as
-    {"__float__": "Infinity"}, json as Infinity."""
-    out = []
-    for v in values:
-        if isinstance(v, dict) and "__float__" in v:
-            try:
-                v = float(v["__float__"])
-            except (TypeError, ValueError):
-                raise ValueError(f"config.json's {name} must hold numbers, got {v!r}") from None
-        out.append(v)
-    return tuple(out)
+def _number(name, v):
+    """transformers 5 writes inf to config.json as {"__float__": "Infinity"} (json as Infinity)."""
+    try:
+        return float(v["__float__"]) if isinstance(v, dict) and "__float__" in v else v
+    except (TypeError, ValueError):
+        raise ValueError(f"config.json's {name} must hold numbers, got {v!r}") from None
 
 
 def mamba2_config_from_dict(d, **overrides):
     """A Mamba2Config from an official or a transformers config.json dict."""
     if _is_transformers(d):
-        if d.get("model_type") == "mamba2" and "head_dim" not in d:
+        if d.get("model_type", "mamba2") != "mamba2":
+            raise ValueError(f"config.json describes a {d['model_type']!r} model, not Mamba-2 (pretrained.load "
+                             f"reads any generation)")
+        if "head_dim" not in d:
             raise ValueError(f"config.json is missing the field head_dim (found {sorted(d)})")
-        if d.get("model_type", "mamba2") != "mamba2" or "head_dim" not in d:
-            raise ValueError(f"config.json describes a {d.get('model_type', 'non-Mamba-2')} model, not "
-                             f"Mamba-2 (pretrained.load reads any generation)")
         _require(d, ["hidden_size", "num_hidden_layers", "vocab_size"])
         kwargs = {_MAMBA2_HF_FIELDS[k]: v for k, v in d.items() if k in _MAMBA2_HF_FIELDS}
         kwargs.setdefault("tie_embeddings", False)  # transformers' default
@@ -460,7 +419,7 @@ def mamba2_config_from_dict(d, **overrides):
         kwargs.update({k: v for k, v in ssm_cfg.items() if k in _MAMBA2_SSM_FIELDS})
     for name in ("dt_limit", "A_init_range"):
         if isinstance(kwargs.get(name), (list, tuple)):  # anything else is Mamba2Config's to refuse by name
-            kwargs[name] = _numbers(name, kwargs[name])
+            kwargs[name] = tuple(_number(name, v) for v in kwargs[name])
     kwargs.update(overrides)
     cfg = Mamba2Config(**kwargs)  # which checks each field's type and range
     heads = d.get("num_heads") if _is_transformers(d) else None
@@ -476,10 +435,8 @@ def mamba2_config_from_dict(d, **overrides):
 # every mixer; which A they need is section 5's question.
 _MAMBA3_SSM_FIELDS = {"d_state", "expand", "headdim", "ngroups", "rope_fraction", "dt_min", "dt_max",
                       "dt_init_floor", "A_floor", "is_outproj_norm", "is_mimo", "mimo_rank", "chunk_size"}
-# official Mamba3 arguments (official main, e9594ce) that change only how it runs:
-# fuse_pregate_headwise_norm moves MIMO's output norm and gate into the kernel (the same
-# arithmetic), dropout is unused, layer_idx and n_layer place the layer, device and dtype say
-# where and in what its parameters are made
+# official Mamba3 arguments (official main, e9594ce) that change only how it runs: fused MIMO norm and
+# gate (the same arithmetic), unused dropout, the layer's place, where and in what parameters are made
 _MAMBA3_IGNORED = {"fuse_pregate_headwise_norm", "dropout", "layer_idx", "n_layer", "device", "dtype"}
 # not an official argument: mamba3_minimal.py's choice of A (Mamba3Config.A_activation)
 _MAMBA3_OWN_FIELDS = {"A_activation"}
@@ -489,11 +446,7 @@ def mamba3_config_from_dict(d, **overrides):
     """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3").
     ssm_cfg fields that the official Mamba3 does not take are dropped with a warning, as its **kwargs
     drops them (at e9594ce)."""
-    ssm_cfg = d.get("ssm_cfg")
-    if not isinstance(ssm_cfg, dict):
-        raise ValueError(f"config.json must hold ssm_cfg = {{\"layer\": \"Mamba3\", ...}}, got "
-                         f"{type(ssm_cfg).__name__ if ssm_cfg is not None else 'none'}")
-    ssm_cfg = dict(ssm_cfg)
+    ssm_cfg = _ssm_cfg(d)
     layer = ssm_cfg.pop("layer", "Mamba1")
     if layer != "Mamba3":
         raise ValueError(f"config.json asks for ssm_cfg.layer = {layer!r}; Mamba3LM loads Mamba3 only "
@@ -512,13 +465,12 @@ def mamba3_config_from_dict(d, **overrides):
 # ------------------------------------------------------------------------------------------------
 # 3. The weights into a model: sizes checked first, no memory for what they replace
 # ------------------------------------------------------------------------------------------------
-# In order: the checkpoint's key names mapped onto the model's; the sizes the checkpoint fixes (its
-# layer count, its vocabulary and width) compared with the config's, so that a config.json asking
-# for 10**6 layers or a width of 10**9 is refused before anything is built; the model built on the
-# meta device (shapes without memory, inits that do nothing); every key and shape checked against
-# it; and the checkpoint's tensors themselves handed to it (load_state_dict with assign=True), each
-# converted to its final dtype and device on the way. So loading a bf16 checkpoint in bf16 holds one
-# copy of the weights, never an fp32 model beside it.
+# In order: the keys under the model's names; the sizes the checkpoint fixes (layer count, vocabulary,
+# width) against the config's, so that 10**6 layers or a width of 10**9 are refused before anything
+# is built; the model built on the meta device (shapes without memory, inits that do nothing); keys
+# and shapes checked against it; and the checkpoint's tensors themselves handed to it
+# (load_state_dict with assign=True), each converted to its dtype and device on the way. So a bf16
+# checkpoint loaded in bf16 is held once, never beside an fp32 model.
 
 _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.")
 
@@ -530,7 +482,8 @@ def _our_names(state_dict):
     for k, v in state_dict.items():
         ours = "backbone.embedding." + k[len("backbone.embeddings."):] if k.startswith("backbone.embeddings.") else k
         if ours in sd:
-            raise ValueError(f"checkpoint tensor {ours} is given twice (also as {k}): a tensor must be given once")
+            raise ValueError(f"checkpoint tensor {ours} is given twice (as backbone.embedding.* and "
+                             f"backbone.embeddings.*): a tensor must be given once")
         sd[ours] = v
     return sd
 
@@ -543,17 +496,11 @@ def _check_sizes(cfg, sd):
         shown = sorted(layers)[:4] + (["..."] if len(layers) > 4 else [])
         raise ValueError(f"config.json's n_layer = {cfg.n_layer}, but the checkpoint holds {len(layers)} layers "
                          f"(backbone.layers.N. with N in {shown})")
-    emb = sd.get("backbone.embedding.weight")
-    if emb is None or emb.dim() != 2:
-        return  # the key check below names it
-    rows, width = emb.shape
-    if width != cfg.d_model:
-        raise ValueError(f"checkpoint tensor backbone.embedding.weight has shape {tuple(emb.shape)}: a width "
-                         f"of {width}, and config.json's d_model = {cfg.d_model}")
-    if rows != cfg.padded_vocab_size:
-        raise ValueError(f"checkpoint tensor backbone.embedding.weight has shape {tuple(emb.shape)}: {rows} rows, "
-                         f"and config.json's vocab_size = {cfg.vocab_size} needs {cfg.padded_vocab_size} (padded "
-                         f"to a multiple of pad_vocab_size_multiple = {cfg.pad_vocab_size_multiple})")
+    emb = sd.get("backbone.embedding.weight")  # missing or not 2-d: the key and shape checks name it
+    if emb is not None and emb.dim() == 2 and tuple(emb.shape) != (cfg.padded_vocab_size, cfg.d_model):
+        raise ValueError(f"checkpoint tensor backbone.embedding.weight has shape {tuple(emb.shape)}, and config.json's "
+                         f"vocab_size = {cfg.vocab_size} (padded to {cfg.padded_vocab_size}) and d_model = "
+                         f"{cfg.d_model} need ({cfg.padded_vocab_size}, {cfg.d_model})")
 
 
 def convert_state_dict(state_dict, model):
@@ -561,8 +508,7 @@ def convert_state_dict(state_dict, model):
     sd = _our_names(state_dict)
     if model.cfg.tie_embeddings and "backbone.embedding.weight" in sd:
         head = sd.setdefault("lm_head.weight", sd["backbone.embedding.weight"])
-        if head is not sd["backbone.embedding.weight"] and (
-                head.shape != sd["backbone.embedding.weight"].shape or not torch.equal(head, sd["backbone.embedding.weight"])):
+        if head is not sd["backbone.embedding.weight"] and not torch.equal(head, sd["backbone.embedding.weight"]):
             raise ValueError("the config ties the embeddings, but the checkpoint's lm_head.weight differs "
                              "from backbone.embedding.weight; set tie_embeddings (tie_word_embeddings) to "
                              "false to load an untied head")
@@ -582,9 +528,8 @@ def convert_state_dict(state_dict, model):
 
 @contextlib.contextmanager
 def _parameters_on_meta():
-    """Inside, every parameter a module registers is moved to the meta device, and buffers stay
-    real (accelerate's init_empty_weights(include_buffers=False) does the same). Each parameter is
-    made for real first: _build only uses it once the checkpoint has fixed every shape."""
+    """Every parameter a module registers moved to meta, buffers real (as accelerate's init_empty_weights
+    does); each is made for real first, so load_weights uses it only once the checkpoint fixed the shapes."""
     register = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -600,8 +545,8 @@ def _parameters_on_meta():
 
 
 def _build(cls, cfg, where):
-    """cls(cfg) built in `where` (a device, or _parameters_on_meta()); sizes too large to make even
-    shapes of (2**70, or products past 2**63) are refused by name."""
+    """cls(cfg) built in `where` (a device, or _parameters_on_meta()); sizes too large for even a
+    shape (2**70, or products past 2**63) are refused by name."""
     try:
         with where:
             return cls(cfg)
@@ -615,15 +560,13 @@ def _build(cls, cfg, where):
 
 
 def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_log", "mixer.D")):
-    """cls(cfg) with the folder's weights (strict keys, either layout), in `dtype` on `device`.
-    dtype None: the dtypes the model is built with (fp32). Under fp16/bf16 the parameters named
-    in keep_fp32 stay fp32, as the official modules create them whatever the dtype: rounding
-    A_log to bf16 would move every decay rate. The weights must be floating-point and finite in the
-    dtype they are converted to (fp16 overflows past 65504)."""
+    """cls(cfg) with the folder's weights (strict keys, either layout), in `dtype` (None: as built, fp32)
+    on `device`; under fp16/bf16 keep_fp32's stay fp32, as the official modules make them (A_log in
+    bf16 would move every decay rate). Weights must be floating-point, and finite in their new dtype."""
     sd = _our_names(_load_state_dict_file(folder))
     _check_sizes(cfg, sd)
     model = _build(cls, cfg, torch.device("meta"))
-    if any(True for _ in model.buffers()):  # values computed at construction, which no checkpoint holds
+    if next(model.buffers(), None) is not None:  # values computed at construction, in no checkpoint
         convert_state_dict(sd, model)  # every shape now fixed by the checkpoint: then build them for real
         model = _build(cls, cfg, _parameters_on_meta())
     sd = convert_state_dict(sd, model)
@@ -637,7 +580,7 @@ def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_
             want = torch.float32
         if id(t) not in converted:
             converted[id(t)] = t.to(device=device, dtype=want)  # no copy when nothing changes
-            if not _all_finite(converted[id(t)]):
+            if not bool(torch.isfinite(converted[id(t)]).all()):
                 raise ValueError(f"checkpoint tensor {name} holds NaN or infinite values in {want} (a damaged "
                                  f"file, or values beyond the dtype's range)")
         sd[name] = converted[id(t)]
@@ -647,17 +590,14 @@ def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_
     return model.to(device=device).eval()  # the buffers
 
 
-def _all_finite(t, piece=1 << 24):
-    """torch.isfinite(t).all(), a piece at a time: no bool tensor the size of a whole embedding."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + piece]).all()) for i in range(0, flat.numel(), piece))
-
-
 # ------------------------------------------------------------------------------------------------
 # 4. load and save, any generation
 # ------------------------------------------------------------------------------------------------
 
-CONFIGS = {1: config_from_dict, 2: mamba2_config_from_dict, 3: mamba3_config_from_dict}
+# generation -> its config.json reader, config class, and the parameters that stay fp32 under fp16/bf16
+GENERATIONS = {1: (config_from_dict, MambaConfig, ("mixer.A_log", "mixer.D")),
+               2: (mamba2_config_from_dict, Mamba2Config, ("mixer.A_log", "mixer.D")),
+               3: (mamba3_config_from_dict, Mamba3Config, m3._FP32_PARAMETERS)}
 GENERATION_OF_CLASS = {MambaLM: 1, HybridMambaLM: 1, Mamba2LM: 2, Mamba3LM: 3}
 
 
@@ -676,18 +616,6 @@ def checked_device(device):
     return device
 
 
-def _check_load_arguments(cfg_cls, dtype, overrides):
-    """load's dtype and config overrides, before any weights are read."""
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
-                         f"got {dtype!r}")
-    known = [f.name for f in fields(cfg_cls)]
-    known += [name for name in _HYBRID_FIELDS if name not in known]
-    unknown = sorted(set(overrides) - set(known))
-    if unknown:
-        raise ValueError(f"unknown {cfg_cls.__name__} fields {unknown}; the fields are {known}")
-
-
 def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
     """A checkpoint folder or hub id, of any generation and layout, as a model in eval mode.
 
@@ -700,6 +628,9 @@ def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
     """
     if cls is not None and not any(cls is known for known in GENERATION_OF_CLASS):
         raise ValueError(f"cls must be None, MambaLM, Mamba2LM or Mamba3LM, got {cls!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.float32 or torch.bfloat16, "
+                         f"got {dtype!r}")
     device = checked_device(device)
     folder = _resolve_folder(path_or_id)
     d = read_config_json(folder)
@@ -707,21 +638,22 @@ def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
     if cls is not None and GENERATION_OF_CLASS[cls] != generation:
         raise ValueError(f"config.json describes a Mamba-{generation} model; {cls.__name__} "
                          f"loads Mamba-{GENERATION_OF_CLASS[cls]} (cls=None loads any generation)")
-    _check_load_arguments({1: MambaConfig, 2: Mamba2Config, 3: Mamba3Config}[generation], dtype, overrides)
-    cfg = CONFIGS[generation](d, **overrides)
-    model_cls = {1: HybridMambaLM if isinstance(cfg, HybridMambaConfig) else MambaLM, 2: Mamba2LM,
-                 3: Mamba3LM}[generation]
-    keep_fp32 = m3._FP32_PARAMETERS if generation == 3 else ("mixer.A_log", "mixer.D")
-    return load_weights(model_cls, cfg, folder, device, dtype, keep_fp32)
+    from_dict, cfg_cls, keep_fp32 = GENERATIONS[generation]
+    known = [f.name for f in fields(cfg_cls)] + [n for n in _HYBRID_FIELDS if n not in {f.name for f in fields(cfg_cls)}]
+    if set(overrides) - set(known):
+        raise ValueError(f"unknown {cfg_cls.__name__} fields {sorted(set(overrides) - set(known))}; the fields are "
+                         f"{known}")
+    cfg = from_dict(d, **overrides)
+    model_cls = {1: HybridMambaLM if isinstance(cfg, HybridMambaConfig) else MambaLM, 2: Mamba2LM, 3: Mamba3LM}
+    return load_weights(model_cls[generation], cfg, folder, device, dtype, keep_fp32)
 
 
-# Saving: config.json in the official layout (section 2), and the weights under the official names,
-# as model.safetensors (the tied head stored once, as transformers does) or, without the
-# safetensors package, pytorch_model.bin (both keys, one storage, as the official save_pretrained
-# writes). Each file is written beside its final name and then renamed over it, so that an
-# interrupted save leaves the old file or the new one, never half of one; config.json is written
-# first and takes its name last, and weights in the other format are set aside (renamed) once the
-# new ones are whole, put back if the new file cannot take its name, and removed at the end.
+# Saving: config.json in the official layout (section 2), the weights under the official names as
+# model.safetensors (the tied head stored once, as transformers does) or pytorch_model.bin (both keys,
+# one storage, as the official save_pretrained writes). Each file is written beside its name, then
+# renamed over it: an interrupted save leaves the old file or the new one, never half of one.
+# config.json is written first and takes its name last; weights in the other format are set aside
+# once the new ones are whole, put back if the new file cannot take its name, removed at the end.
 
 # fields of the official MambaConfig (config_mamba.py); the rest of a config's are the mixer's or how to run
 _OFFICIAL_TOP_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "attn_layer_idx", "attn_cfg",
@@ -731,9 +663,8 @@ _RUNTIME_FIELDS = {"scan_backend", "compile_mixer"}  # how Mamba-2 and -3 run, n
 
 def config_to_dict(cfg, layer="Mamba1", ssm_fields=_OFFICIAL_SSM_FIELDS, own_ssm_fields=()):
     """A config as the official config.json writes it: the official top-level fields, the mixer's
-    fields (ssm_fields) in ssm_cfg with `layer`, and, only where they differ from their defaults
-    (the official code would refuse them), the other mixer fields (own_ssm_fields) in ssm_cfg and
-    any other field at the top, where section 2 reads them back. How to run is not saved."""
+    (ssm_fields) in ssm_cfg with `layer`, and only where they differ from their defaults (the official
+    code would refuse them) own_ssm_fields in ssm_cfg and other fields at the top. How to run is not saved."""
     d = {"d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
          "ssm_cfg": {"layer": layer}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
          "residual_in_fp32": cfg.residual_in_fp32, "fused_add_norm": True,
@@ -771,13 +702,9 @@ def save(model, folder, safe_serialization=None):
 
 
 def save_pretrained(model, folder, config_dict, safe_serialization=None):
-    """Write config_dict as config.json and the model's weights into folder, as `save` describes.
-    Each file is written beside its name first, config.json before the weights, so that a save
-    that fails while writing (a full disk, an interrupt) or at the weights' rename (refused on
-    Windows while a scanner holds the file) leaves the checkpoint that was there. Weights in the
-    other format are set aside once the new file is whole, put back if it cannot take its name, and
-    removed at the end (the loader would otherwise find a stale model.safetensors before a new
-    pytorch_model.bin); one that will not go stays, with a warning."""
+    """config_dict as config.json and the model's weights into folder, as `save` and the comment
+    above describe: a save that fails (a full disk, an interrupt, a rename Windows refuses while a
+    scanner holds the file) leaves the checkpoint that was there."""
     if not isinstance(folder, (str, os.PathLike)):
         raise ValueError(f"folder must be a path, got {type(folder).__name__}")
     if safe_serialization not in (None, True, False):
@@ -797,20 +724,7 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
     os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, "model.safetensors" if safe_serialization else "pytorch_model.bin")
     stale = [path for path in _weights_files(folder) if path != target and os.path.lexists(path)]
-    aside = f".old{os.getpid()}"
-
-    def set_stale_aside():  # renamed, not removed: if the new file cannot take its name, they go back
-        for path in stale:
-            os.replace(path, path + aside)
-
-    def put_stale_back():
-        for path in stale:
-            if os.path.lexists(path + aside):
-                try:
-                    os.replace(path + aside, path)
-                except OSError as err:
-                    warnings.warn(f"save could not put {path} back ({err}): the old weights are in {path + aside}")
-
+    aside = f".old{os.getpid()}"  # renamed, not removed: if the new file cannot take its name, they go back
     state_dict = model.state_dict()
     if safe_serialization and model.cfg.tie_embeddings:
         del state_dict["lm_head.weight"]  # one storage under two names: safetensors stores it once
@@ -825,9 +739,13 @@ def save_pretrained(model, folder, config_dict, safe_serialization=None):
     try:
         _write_json(config_tmp, config_dict)  # first: a full disk stops the save before anything changes
         try:
-            _write_atomically(target, write, set_stale_aside)
+            _write_atomically(target, write, lambda: [os.replace(path, path + aside) for path in stale])
         except BaseException:  # a full disk, a refused rename, an interrupt: the folder as it was
-            put_stale_back()
+            for path in (path for path in stale if os.path.lexists(path + aside)):
+                try:
+                    os.replace(path + aside, path)
+                except OSError as err:
+                    warnings.warn(f"save could not put {path} back ({err}): the old weights are in {path + aside}")
             raise
         os.replace(config_tmp, os.path.join(folder, "config.json"))
     finally:
@@ -863,25 +781,21 @@ def _write_atomically(path, write, before_rename=None):
 # ------------------------------------------------------------------------------------------------
 # 5. Which A a Mamba-3 checkpoint needs
 # ------------------------------------------------------------------------------------------------
-# Official main computes A with the heavy-tail activation, the March
-# 2026 release with softplus, and config.json does not say which one trained the weights. Running
-# the checkpoint both ways on real text answers it: the wrong A changes every decay rate, and with
-# them every logit, and its loss is the clearly higher one.
+# Official main computes A with the heavy-tail activation, the March 2026 release with softplus, and
+# config.json does not say which trained the weights. Run both ways on real text, the wrong A (every
+# decay rate moved, and with them every logit) has the clearly higher loss.
 
 @torch.no_grad()
 def A_variant_losses(path_or_model, input_ids, **load_kwargs):
     """The mean next-token loss (nats per token) of a checkpoint with each A_activation.
 
     Args:
-        path_or_model: a folder or hub id, as load takes it (load_kwargs are
-                       passed on: device, dtype, overrides), or a loaded Mamba3LM
+        path_or_model: a folder or hub id, as load takes it (with load_kwargs), or a loaded Mamba3LM
         input_ids:     (b, L) token ids of some text, L ≥ 2, from the checkpoint's own tokenizer
-                       (this function reads ids only; tokenizing is the caller's)
     Returns:
-        {"heavy_tail": loss, "softplus": loss}: the cross-entropy of each token given the ones
-        before it, over the vocabulary (the logits of padding entries left out, as a loss over the
-        text's tokens reads them), averaged over the b·(L − 1) predictions. A model passed in is
-        left with the A_activation it had.
+        {"heavy_tail": loss, "softplus": loss}: the cross-entropy of each token given the ones before
+        it over the vocabulary (padding entries left out), averaged over the b·(L − 1) predictions.
+        A model passed in keeps the A_activation it had.
     """
     if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
             or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2):
@@ -926,9 +840,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_tokenizer(name):
-    """transformers' AutoTokenizer for the repository or folder `name`, never running its code: a
-    folder's tokenizer_config.json can name Python files of its own (auto_map), which
-    trust_remote_code=False refuses without asking."""
+    """transformers' AutoTokenizer for the repository or folder `name`, never running code of its own
+    (a tokenizer_config.json's auto_map): trust_remote_code=False refuses it without asking."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -987,22 +900,18 @@ def generate(args, model, tokenizer, device):
             print(text[len(shown):], end="", flush=True)
             shown = text
     print(tokenizer.decode(prompt + new, skip_special_tokens=True)[len(prefix) + len(shown):])
-    # times: the start, then one per token; with --compile the second token's step compiles the graph
     line = f"prompt of {ids.shape[1]} tokens and the first new token in {times[1] - times[0]:.2f} s"
-    rest = times[1:]
-    if args.compile and len(rest) > 1:
-        line += f"; the second (compiling the step) in {rest[1] - rest[0]:.2f} s"
-        rest = rest[1:]
-    if len(rest) > 1:
-        line += (f"; {len(rest) - 1} more in {rest[-1] - rest[0]:.2f} s "
-                 f"({(rest[-1] - rest[0]) / (len(rest) - 1) * 1e3:.1f} ms/token)")
+    if args.compile and len(times) > 2:  # the second token's step compiles the graph
+        line, times = line + f"; the second (compiling the step) in {times[2] - times[1]:.2f} s", times[1:]
+    if len(times) > 2:
+        line += f"; {len(times) - 2} more in {times[-1] - times[1]:.2f} s " \
+                f"({(times[-1] - times[1]) / (len(times) - 2) * 1e3:.1f} ms/token)"
     print(f"[{line}]", file=sys.stderr)
 
 
 def mean_loss(model, ids, window):
-    """The mean cross-entropy (nats/token) of ids (1, L) under the model, each token predicted from
-    all the tokens before it: the text runs through prefill in windows of `window` tokens, each
-    continuing the previous one's cache, so memory stays bounded however long the text is."""
+    """The mean cross-entropy (nats/token) of ids (1, L), each token predicted from all before it:
+    prefill over windows of `window` tokens, each continuing the last one's cache (bounded memory)."""
     total, count, cache, last = 0.0, 0, None, None  # last: the logits before the window's first token
     for start in range(0, ids.shape[1], window):
         piece = ids[:, start:start + window]  # (1, T)
@@ -1052,8 +961,7 @@ def check_flags(p, args):
             p.error(f"--top-k must be at least 1, got {args.top_k}")
         if not 0 < args.top_p <= 1:
             p.error(f"--top-p must lie in (0, 1] (1: no cut), got {args.top_p}")
-        # below float32's smallest normal number a temperature or top_p rounds to 0 in the logits'
-        # arithmetic; greedy is what both tend to as they shrink
+        # below float32's smallest normal number, 0 in the logits' arithmetic; greedy is their limit
         tiny = torch.finfo(torch.float32).tiny
         if args.temperature < tiny or args.top_p < tiny:
             args.temperature, args.top_k = 0.0, 1
