@@ -2,16 +2,21 @@
 hybrid.py: the official MambaLMHeadModel's other layers, for every generation: a gated MLP after
 each mixer, multi-head attention in place of some mixers, LayerNorm instead of RMSNorm. Built on
 mamba_minimal.py's Block and backbone, which know nothing of them: HybridMamba is the backbone
-whose make_block and make_norm read the four fields below.
+whose make_block and make_norm read four config fields, d_intermediate, attn_layer_idx, attn_cfg
+and rms_norm. It imports torch and mamba_minimal.py (with pscan.py under it) only.
 
-    HybridMambaConfig(MambaConfig)   MambaConfig plus the four fields (Mamba-2's and Mamba-3's
-                                     configs carry them too)
-    HybridMamba(Mamba)               the backbone that builds those layers
-    HybridMambaLM(MambaLM)           MambaLM over HybridMamba; Mamba2LM and Mamba3LM use HybridMamba too
-    GatedMLP, MHA, LayerNorm         the layers, as the official modules compute them
+    1. The layers                 the four fields; GatedMLP, LayerNorm, the rotary embedding, MHA
+                                  and its KV cache, as the official modules compute them
+    2. The settings and checks    attn_cfg over the official MHA's defaults, the four fields checked
+    3. The hybrid backbone and LM HybridMambaConfig (MambaConfig plus the four fields), HybridMamba
+                                  (the backbone that builds those layers), HybridMambaLM
 
-pretrained.py loads the official hybrid checkpoints (mamba2attn-2.7b, transformerpp-2.7b, the
-Mamba-3 checkpoints with their MLPs) into these classes.
+    model = HybridMambaLM(HybridMambaConfig(d_model=256, n_layer=4, vocab_size=65, d_intermediate=512,
+                                            attn_layer_idx=[2], attn_cfg=dict(num_heads=4, causal=True)))
+
+Mamba2Config and Mamba3Config carry the four fields too, and Mamba2LM and Mamba3LM run on
+HybridMamba. pretrained.py loads the official hybrid checkpoints (mamba2attn-2.7b,
+transformerpp-2.7b, the Mamba-3 checkpoints with their MLPs) into these classes.
 """
 
 import contextlib
@@ -25,8 +30,11 @@ import torch.nn.functional as F
 from mamba_minimal import (Block, Mamba, MambaConfig, MambaLM, MambaMixer, RMSNorm, _at_least_fp32,
                            _is_positive_int, _is_positive_number, conv_buffer_after, shifted_sum)
 
-# (mamba_ssm/models/config_mamba.py; create_block in models/mixer_seq_simple.py) change the blocks,
-# in every generation:
+# ------------------------------------------------------------------------------------------------
+# 1. The layers
+# ------------------------------------------------------------------------------------------------
+# Four fields of the official MambaLMHeadModel's config (mamba_ssm/models/config_mamba.py; create_block
+# in models/mixer_seq_simple.py) change the blocks, in every generation:
 #
 #   d_intermediate > 0   a gated MLP (modules/mlp.py, GatedMLP) after each mixer, as a second
 #                        pre-norm residual sub-block with a norm of its own (norm2, modules/block.py):
@@ -63,22 +71,23 @@ from mamba_minimal import (Block, Mamba, MambaConfig, MambaLM, MambaMixer, RMSNo
 #
 # Attention's memory of the past is every key and value it has seen. The layer's cache holds them
 # and grows by one key and one value per token: a step costs O(context) time, and the cache
-# O(context) memory, where a mixer's state has a fixed size (section 5). The cache is a list
+# O(context) memory, where a mixer's state has a fixed size (mamba_minimal.py section 5). The cache is a list
 # [k, v, valid] (+ conv_state with d_conv): the keys, already rotated, and the values of every token
 # read, (b, T, H_kv, head_dim), and valid (b, T), the slots that the next token may see. A tensor
 # cannot grow in place, so step replaces k, v and valid in the list with tensors one slot longer;
 # that is why the entry is a list where the mixers' are tuples. The copy moves about as many bytes
 # as the attention reads from the cache anyway (the official code preallocates max_seqlen slots).
 #
-# Section 8's options, in attention's terms. Which keys a token sees is one boolean mask: key s is
-# seen by the token in slot t when s ≤ t, s is no padding, and s lies in the token's own document
-# (seq_idx). A token's position is the number of keys it sees, minus one (itself), so positions
-# restart at every document's first token and start at each row's first real token. Under left
-# padding a padded query sees no real key: it attends to itself alone (a softmax over no key is not a
-# number in some kernels, and 0·NaN would reach the real tokens) and its output means nothing, as
-# section 8 says. Continuing a cache, its valid slots belong to the first document of the new tokens;
-# after a forward over packed documents, valid marks the last document's tokens only, so that the
-# next token continues that document alone.
+# The mixers' options (mamba_minimal.py section 3: a cache, seq_idx, attention_mask), in attention's
+# terms. Which keys a token sees is one boolean mask: key s is seen by the token in slot t when s ≤ t,
+# s is no padding, and s lies in the token's own document (seq_idx). A token's position is the number
+# of keys it sees, minus one (itself), so positions restart at every document's first token and start
+# at each row's first real token. Under left padding a padded query sees no real key: it attends to
+# itself alone (a softmax over no key is not a number in some kernels, and 0·NaN would reach the real
+# tokens) and its output means nothing, as a mixer's output at a padded position does. Continuing a
+# cache, its valid slots belong to the first document of the new tokens; after a forward over packed
+# documents, valid marks the last document's tokens only, so that the next token continues that
+# document alone.
 #
 # The official decode step (MHA.forward with inference_params) is no reference for step: without
 # flash_attn it calls PyTorch's scaled_dot_product_attention with is_causal=True on a one-token
@@ -159,8 +168,8 @@ def visible_keys(valid_new, seq_idx=None, valid_cached=None):
 
 class MHA(nn.Module):
     """Causal multi-head attention (the official MHA, modules/mha.py) in the layers of
-    cfg.attn_layer_idx, with the settings of cfg.attn_cfg (official names and defaults: attn_settings
-    in the appendix). It takes and returns what a mixer does; its cache is the KV cache above."""
+    cfg.attn_layer_idx, with the settings of cfg.attn_cfg (official names and defaults: attn_settings,
+    section 2). It takes and returns what a mixer does; its cache is the KV cache above."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -208,7 +217,8 @@ class MHA(nn.Module):
 
     def forward(self, u, want_cache=False, cache=None, seq_idx=None, attention_mask=None):
         """u: (b, L, d_model) -> (b, L, d_model); with want_cache also the layer's cache [k, v, valid
-        (, conv_state)]. cache, seq_idx, attention_mask: as the mixers take them (section 8)."""
+        (, conv_state)]. cache, seq_idx, attention_mask: as the mixers take them (mamba_minimal.py
+        section 3)."""
         b, L, _ = u.shape
         qkv, m = self.in_proj(u).split([self.qkv_dim, self.mlp_dim], dim=-1)  # (b, L, qkv_dim), (b, L, mlp_dim)
         # left padding: zeros into the conv, as in the mixers
@@ -236,8 +246,9 @@ class MHA(nn.Module):
             new_cache.append(conv_buffer_after(qkv_in, self.d_conv, self.conv1d.weight.dtype, conv_state, seq_idx))
         return out, new_cache
 
-    # the depthwise causal conv and its one-token form on the rolling buffer, as in the mixers
-    causal_conv = MambaMixer.causal_conv  # with the lesson's sum: attention layers are not accelerated
+    # the depthwise causal conv and its one-token form on the rolling buffer, as in the mixers, over
+    # shifted_sum always (mamba_engine.accelerate swaps the conv of MambaMixers only)
+    causal_conv = MambaMixer.causal_conv
     conv_fn = staticmethod(shifted_sum)
     conv_step = MambaMixer.conv_step
 
@@ -268,6 +279,11 @@ class MHA(nn.Module):
         return self._finish(self._attend(q, cache[0], cache[1], cache[2][:, None])[:, 0], m)  # (b, d_model)
 
 
+# ------------------------------------------------------------------------------------------------
+# 2. The settings and checks
+# ------------------------------------------------------------------------------------------------
+# attn_cfg holds the official MHA's arguments; those it leaves out take the official defaults.
+# Every field is checked when a config is made, and attn_cfg only where an attention layer reads it.
 
 ATTN_DEFAULTS = dict(num_heads=None, num_heads_kv=None, head_dim=None, mlp_dim=0, qkv_proj_bias=True,
                      out_proj_bias=True, softmax_scale=None, causal=False, d_conv=0, rotary_emb_dim=0,
@@ -285,14 +301,13 @@ def attn_settings(cfg):
     return a
 
 
-
 def _is_count(value):
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_hybrid_fields(cfg):
-    """Section 9's fields, in every generation's config; attn_cfg's settings only where an attention
-    layer reads them (_check_attn_cfg)."""
+    """The four fields of section 1, in every generation's config; attn_cfg's settings only where an
+    attention layer reads them (_check_attn_cfg)."""
     name = type(cfg).__name__
     if not _is_count(cfg.d_intermediate):
         raise ValueError(f"{name}.d_intermediate must be an integer >= 0 (0: no MLP), got {cfg.d_intermediate!r}")
@@ -348,14 +363,13 @@ def _check_attn_cfg(cfg):
             raise ValueError(f"attn_cfg.{key} must be true or false, got {a[key]!r}")
 
 
-
 # ------------------------------------------------------------------------------------------------
-# The hybrid backbone and LM
+# 3. The hybrid backbone and LM
 # ------------------------------------------------------------------------------------------------
 
 @dataclass
 class HybridMambaConfig(MambaConfig):
-    """MambaConfig and the official MambaLMHeadModel's four block fields (see the top of the file)."""
+    """MambaConfig and the official MambaLMHeadModel's four block fields (section 1)."""
     d_intermediate: int = 0
     attn_layer_idx: list = field(default_factory=list)
     attn_cfg: dict = field(default_factory=dict)
