@@ -13,8 +13,10 @@ best; a scan is left only across chunks of the sequence. Sections, in the order 
     3. Chunked SSD             ssd(): matmuls inside chunks, pscan.scan across chunks
     4. The model               Mamba2Config, the gated RMSNorm, the mixer (opt-in torch.compile), the LM
     5. Recurrent inference     prefill, an O(1) step per token, generate (a note in Mamba2LM)
-    6. Loading checkpoints     from_pretrained() for the official and the transformers layouts
     Appendix: input checks
+
+This file knows no checkpoint layout: pretrained.py loads the official and the transformers
+checkpoints into a Mamba2LM, e.g. pretrained.load("state-spaces/mamba2-130m").
 
 Glossary (code name: paper symbol, meaning). One name, one meaning, as in mamba_minimal.py:
 B is always the input matrix, never the batch.
@@ -35,9 +37,11 @@ B is always the input matrix, never the batch.
     M        the decay mask of the quadratic form, per head    (T, T)
     T, K     chunk_size (the length of one chunk in ssd()) and the number of chunks
 
-Read mamba_minimal.py and pscan.py first: this file reuses their RMSNorm, causal conv, LM
-wrapper, sampling and checkpoint helpers, pscan.segsum (pscan.py section 10) for the decay mask
-and pscan.scan for the recurrence across chunks.
+Read mamba_minimal.py and pscan.py first: this file reuses mamba_minimal.py's RMSNorm, causal conv,
+LM (MambaLM: prefill, step, sampling, generate) and Δ init, pscan.segsum (pscan.py section 10) for
+the decay mask and pscan.scan for the recurrence across chunks. It also needs mamba_engine.py (the
+conv's written-out backward, the compile fallback, the compute-dtype helpers) and hybrid.py (the
+backbone with the official configs' MLP and attention layers, and the checks of their fields).
 """
 
 import functools
@@ -347,8 +351,8 @@ class Mamba2Config:
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
-    # the official MambaLMHeadModel's block fields (mamba_minimal.py section 9): an MLP after each
-    # mixer, attention layers in place of some mixers, LayerNorm instead of RMSNorm
+    # the official MambaLMHeadModel's block fields (hybrid.py section 1): an MLP after each mixer,
+    # attention layers in place of some mixers, LayerNorm instead of RMSNorm
     d_intermediate: int = 0
     attn_layer_idx: list = field(default_factory=list)
     attn_cfg: dict = field(default_factory=dict)
@@ -461,9 +465,9 @@ class Mamba2Mixer(nn.Module):
         self.reset_ssm_parameters()
 
     # the depthwise causal conv and its one-token form on the rolling buffer: Mamba-1's methods
-    # (they read self.cfg.d_conv and self.conv1d, which this block has too). Mamba2Config has no
-    # "reference" scan_backend, so the conv runs as _CausalConv: shifted_sum with its backward
-    # written out (mamba_minimal.py section 6), the same numbers to rounding
+    # (they read self.cfg.d_conv and self.conv1d, which this block has too). The conv runs as
+    # mamba_engine._CausalConv: mamba_minimal.shifted_sum with its backward written out
+    # (mamba_engine.py section 1), the same numbers to rounding
     causal_conv = mm.MambaMixer.causal_conv
     conv_fn = staticmethod(eng._CausalConv.apply)
     conv_step = mm.MambaMixer.conv_step
@@ -505,11 +509,11 @@ class Mamba2Mixer(nn.Module):
     # already turned the sequence work into matmuls; what is left to win on a CPU is the
     # elementwise work around them (conv, SiLU, decay mask, gate, norm), one pass over memory per
     # op in eager mode, which Inductor fuses into loops: about 1.3x per training step for the
-    # trainer's default Mamba-2, a block of one chunk (`python bench.py mamba2_train`, 2-core
+    # trainer's default Mamba-2, a block of one chunk (`python -m bench mamba2_train`, 2-core
     # Intel Xeon with AVX-512). One graph serves every layer (the parameters are its inputs); a
     # new input shape compiles again. With several chunks the mixer is one graph on a GPU; on a
     # CPU ssd() breaks the graph at its step 2, which cuts each function on the way there too: six
-    # graphs (`python bench.py graphs`). Only training runs compiled: a forward without autograd
+    # graphs (`python -m bench graphs`). Only training runs compiled: a forward without autograd
     # (an evaluation, prefill, step()) runs eagerly; compiled, it would be one more graph, one more
     # compile for a small share of a run's time.
 
@@ -588,25 +592,26 @@ def _compiled_forward(device_type):
     """Mamba2Mixer._forward through torch.compile (static shapes), made once per device type and
     shared by every mixer in the process: each new config or shape compiles again. Its backward
     is compiled with its forward, so that a compiler that fails, at either, fails inside the call
-    and the call runs eagerly instead (mamba_minimal.CompiledOrEager)."""
+    and the call runs eagerly instead (mamba_engine.CompiledOrEager)."""
     return eng.CompiledOrEager(Mamba2Mixer._forward, f"Mamba-2's mixer on {device_type}", compile_backward_now=True,
                               dynamic=False)
 
 
 class Mamba2LM(mm.MambaLM):
-    backbone_cls = hybrid.HybridMamba  # the official configs' MLP and attention layers (mamba2attn)
     """The language model, module tree as the official MambaLMHeadModel with Mamba2 mixers:
     backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{in_proj, conv1d,
     dt_bias, A_log, D, norm, out_proj}, backbone.norm_f, lm_head.
 
     From MambaLM, unchanged: forward (logits (b, L, padded_vocab)), prefill, generate,
     generate_stream, optim_groups (no weight decay on A_log, D, dt_bias, norms, biases: every
-    1-D parameter) and _init_weights (mixer_seq_simple's: Linear biases zero, embedding
-    N(0, 0.02), out_proj kaiming-uniform divided by sqrt(n_layer), then the SSM parameters).
+    1-D parameter) and the official init (mixer_seq_simple's _init_weights, in the backbone and
+    MambaLM: Linear biases zero, embedding N(0, 0.02), out_proj kaiming-uniform divided by
+    sqrt(n_layer), then the SSM parameters).
     """
+    backbone_cls = hybrid.HybridMamba  # the official configs' MLP and attention layers (mamba2attn)
 
     def __init__(self, cfg: Mamba2Config):
-        super().__init__(cfg, mixer_cls=Mamba2Mixer)  # Block and MixerModel as in Mamba-1
+        super().__init__(cfg, mixer_cls=Mamba2Mixer)  # Block and the backbone as in Mamba-1
 
     # --------------------------------------------------------------------------------------------
     # 5. Recurrent inference
