@@ -309,6 +309,11 @@ def train(run):
     tokens_per_step = args.batch_size * args.block_size * WORLD
     t_start, elapsed_before, step_at_start = clock(), p.elapsed, p.step
     last_line = (p.step, p.elapsed - p.eval_time)  # (step, seconds of training) at the last log line
+
+    def elapsed_now():  # a time-based run under torchrun: process 0's clock, so that all decide alike
+        elapsed = elapsed_before + clock() - t_start
+        return elapsed if args.max_time is None else rank0_value(elapsed, run.device)
+
     if args.compile or args.compile_model:
         compile_now(run)  # or, where no compiler works, go on eagerly
     while not p.stopped_early and (p.step < args.max_iters if args.max_time is None else p.elapsed < args.max_time):
@@ -319,8 +324,7 @@ def train(run):
         loss = train_step(run.model, run.optimizer, x, y, run.vocab_size, args, run.autocast, run.scaler)
         p.step += 1
         p.tokens += tokens_per_step
-        # the only clock reading of a step; under torchrun process 0's, so that all decide alike
-        p.elapsed = rank0_value(elapsed_before + clock() - t_start, run.device)
+        p.elapsed = elapsed_now()  # the only clock reading of a step
         first_step = p.step == step_at_start + 1  # holds start-up costs and any compiling: no rate from it
         if p.step % args.log_interval == 0 or first_step:
             dt = (p.elapsed - p.eval_time - last_line[1]) / (p.step - last_line[0])  # training only
@@ -329,7 +333,7 @@ def train(run):
         if evaluation_due(args, p):
             before = p.elapsed
             losses = evaluate(run)
-            p.elapsed = rank0_value(elapsed_before + clock() - t_start, run.device)
+            p.elapsed = elapsed_now()
             p.eval_cost = p.elapsed - before
             p.eval_time += p.eval_cost
             record(run, **losses)
@@ -569,8 +573,6 @@ def arch_classes(arch):
         return GPTConfig, TinyGPT
     except ImportError as err:
         sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
-
-
 
 
 # How a model runs, not what it is: never part of a checkpoint's config. The trainer saved these in
