@@ -4,8 +4,8 @@ in plain PyTorch, with the parameter names of the official module (mamba_ssm/mod
 class Mamba3), so that its state_dict loads strictly.
 
 Mamba-2 (mamba2_minimal.py) gave each head one decay per token and wrote x_t·B_tᵀ into the
-state with the first-order (exponential-Euler) weight Δ_t (section 2). Mamba-3 changes three things, each a lesson of
-the earlier files taken one step further:
+state with the first-order (exponential-Euler) weight Δ_t (section 2). Mamba-3 changes three
+things, each a lesson of the earlier files taken one step further:
 
   - exponential-trapezoidal discretization: the input enters the state through a trapezoid over
     the step, a data-dependent mix λ_t of the token before and the token now (section 2);
@@ -23,8 +23,11 @@ RMSNorm and get a learned per-head bias. Sections, in the order of the idea:
     3. The chunked form        mamba3_chunked(): matmuls inside chunks, pscan.scan across chunks
     4. The model               Mamba3Config, Mamba3Mixer (the official Mamba3 block), Mamba3LM
     5. Recurrent inference     the (angle, ssm, k, v) cache and an O(1) step per token (a note in Mamba3LM)
-    6. Loading checkpoints     from_pretrained() for the official MambaLMHeadModel layout
     Appendix                   the angle in fp32; input checks
+
+This file knows no checkpoint layout: pretrained.py loads the official MambaLMHeadModel layout
+into a Mamba3LM (pretrained.load("state-spaces/mamba3-siso-187m")), and pretrained.A_variant_losses
+tells which A_activation a checkpoint was trained with (see Mamba3Config).
 
 Glossary (code name: paper symbol, meaning). One name, one meaning. The SSM is written as linear
 attention, as the official kernels are: the query q is the paper's C, the key k is B, the value
@@ -49,9 +52,11 @@ v is the head's input x.
     h        the state of one head, a P x N matrix                        (b, H, P, N)
     alpha, beta, gamma   α_t = exp(Δ_t·A_t), β_t = (1 − λ_t)·Δ_t·α_t, γ_t = λ_t·Δ_t
 
-Read mamba_minimal.py, pscan.py and mamba2_minimal.py first. This file needs only the first two:
-it reuses mamba_minimal.py's RMSNorm, LM wrapper, sampling and checkpoint helpers, and pscan.py's
-scan across chunks and segsum (section 10 there, the segment sums of Mamba-2).
+Read mamba_minimal.py, pscan.py and mamba2_minimal.py first; this file does not import
+mamba2_minimal.py. It reuses mamba_minimal.py's RMSNorm, Δ init and LM (MambaLM: prefill, step,
+sampling, generate), pscan.py's scan across chunks and segsum (section 10 there, the segment sums
+of Mamba-2), mamba_engine.py's compute-dtype helpers, and hybrid.py's backbone (the official
+checkpoints have a gated MLP after every mixer) and the checks of its fields.
 """
 
 import math
@@ -436,7 +441,7 @@ class Mamba3Config:
     main does, "softplus" as the March 2026 release did, for weights trained with that code.
     Which of the two the published checkpoints (the state-spaces/mamba3-* models on the Hugging
     Face hub) were trained with is written neither in their config.json nor in their weights, and
-    cannot be checked without downloading them: A_variant_losses (section 6) runs a checkpoint
+    cannot be checked without downloading them: pretrained.A_variant_losses runs a checkpoint
     both ways on text the caller tokenizes, and the variant it was trained with gives the clearly
     lower loss.
     """
@@ -461,8 +466,8 @@ class Mamba3Config:
     pad_vocab_size_multiple: int = 8
     tie_embeddings: bool = True
     residual_in_fp32: bool = True
-    # the official MambaLMHeadModel's block fields (mamba_minimal.py section 9): an MLP after each
-    # mixer, attention layers in place of some mixers, LayerNorm instead of RMSNorm
+    # the official MambaLMHeadModel's block fields (hybrid.py section 1): an MLP after each mixer,
+    # attention layers in place of some mixers, LayerNorm instead of RMSNorm
     d_intermediate: int = 0
     attn_layer_idx: list = field(default_factory=list)
     attn_cfg: dict = field(default_factory=dict)
@@ -689,15 +694,16 @@ def cast_parameters(model, dtype):
 
 
 class Mamba3LM(mm.MambaLM):
-    backbone_cls = hybrid.HybridMamba  # the official checkpoints have a GatedMLP after every mixer
     """The language model, module tree as the official MambaLMHeadModel with Mamba3 mixers:
     backbone.embedding, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{in_proj, dt_bias,
     B_bias, C_bias, B_norm, C_norm, D, out_proj (, mimo_x, mimo_z, mimo_o, norm)}, backbone.norm_f,
     lm_head.
 
     From MambaLM, unchanged: forward (logits (b, L, padded_vocab)), prefill, step, generate,
-    generate_stream and _init_weights (mixer_seq_simple's, then reset_ssm_parameters).
+    generate_stream and the official init (mixer_seq_simple's _init_weights, in the backbone and
+    MambaLM, then reset_ssm_parameters).
     """
+    backbone_cls = hybrid.HybridMamba  # the official checkpoints have a GatedMLP after every mixer
 
     def __init__(self, cfg: Mamba3Config):
         super().__init__(cfg, mixer_cls=Mamba3Mixer)
@@ -726,7 +732,6 @@ class Mamba3LM(mm.MambaLM):
     # prompt and returns the four; each further token is one O(1) step, section 1's mamba3_step on
     # the cache (Mamba3Mixer.step). MambaLM's step, generate and generate_stream run unchanged, and
     # prefill(ids, cache=cache) continues a cache: mamba3_chunked starts from its four tensors.
-
 
 
 # ------------------------------------------------------------------------------------------------
