@@ -29,6 +29,7 @@ def compile_with_dynamo_only(monkeypatch):
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # about 20 s
 def test_bench_selective_compiles_each_shape_within_the_recompile_limit(monkeypatch, capsys):
     # python -m bench selective on CUDA times three shapes, each with about four graphs of the compiled
     # chunk (no grad, autograd from a zero and from a carried state, the recomputing backward's
@@ -115,6 +116,7 @@ def test_bench_gpu_tiny_runs_every_part_in_order_on_the_cpu(text_file):
 
 
 @pytest.mark.compile
+@pytest.mark.slow  # about 35 s
 def test_bench_graphs_counts_one_compile_per_graph_and_none_after_the_first_step(monkeypatch, capsys):
     # Dynamo only (the eager backend): Mamba-1's fused path makes its two graphs (the chunk and its
     # backward) at the first training step and none after, evaluation and a smaller batch included;
