@@ -4,7 +4,7 @@ mamba_engine.py: the same Mamba-1 as mamba_minimal.py, made fast. Opt-in, one ca
     import mamba_engine
     model = mamba_engine.accelerate(MambaLM(cfg))              # hand-written backwards
     model = mamba_engine.accelerate(MambaLM(cfg), compile=True) # the fused path, torch.compile'd
-    mamba_engine.compile_decode(model)                          # generate: one graph per token
+    mamba_engine.compile_decode(model)                          # generate's step as one graph
 
 accelerate swaps two functions of every MambaMixer in the model, its selective scan (mixer.scan_fn)
 and its causal conv (mixer.conv_fn), for this file's versions: the same numbers to rounding, tested
