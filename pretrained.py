@@ -10,17 +10,15 @@ command that runs one with its tokenizer.
     python pretrained.py generate state-spaces/mamba3-siso-187m --prompt "Hello" --dtype bf16
     python pretrained.py score state-spaces/mamba2-130m --text essay.txt   # mean loss per token
 
-MODEL is a hub id (downloaded with huggingface_hub) or a folder holding config.json and the weights,
-official or transformers' (-hf) layout. config.json says which generation it is, and so which of
-MambaLM (HybridMambaLM with attention or MLP layers), Mamba2LM and Mamba3LM loads it: the model files
-know no checkpoint layout. A folder is data, never code: regular files only (a symbolic link to one,
-as in the hub's cache, is one), tensors only, sizes checked against config.json before a model is
-built, and no memory made for the parameters the weights replace. A folder's own tokenizer (a -hf
-checkpoint's) is read from that folder, and never runs code from it. The official checkpoints ship
+MODEL is a hub id (downloaded with huggingface_hub) or a folder with config.json and the weights in
+the official or transformers' (-hf) layout; config.json's generation picks MambaLM (HybridMambaLM with
+attention or MLP layers), Mamba2LM or Mamba3LM, and the model files know no layout. A folder is data,
+never code: regular files (or links to them, as in the hub's cache), tensors only, sizes checked
+against config.json before a model is built on the meta device. A folder's own tokenizer (a -hf
+checkpoint's) is read from that folder and never runs code from it. The official checkpoints ship
 none: Mamba-1 and -2 were trained with GPT-NeoX's (EleutherAI/gpt-neox-20b, as the official
-benchmarks/benchmark_generation_mamba_simple.py loads it), Mamba-3 with Llama 3's
-(meta-llama/Llama-3.1-8B, gated: accept its license on the hub and log in, or pass --tokenizer). The
-tokenizer needs the transformers package; the model needs only torch.
+benchmarks/benchmark_generation_mamba_simple.py loads it), Mamba-3 with Llama 3's (meta-llama/Llama-3.1-8B,
+gated: accept its license on the hub and log in, or pass --tokenizer). The tokenizer needs transformers.
 
 Sections:
   1. Reading a folder: hub ids, regular files, the weights files (whole or sharded)
@@ -57,7 +55,7 @@ from mamba2_minimal import Mamba2Config, Mamba2LM
 from mamba3_minimal import A_ACTIVATIONS, Mamba3Config, Mamba3LM
 
 
-def _first_line(err):
+def _first_line(err):  # torch's and transformers' messages run to paragraphs; the user gets one line
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
@@ -123,12 +121,10 @@ def read_config_json(folder):
 
 def _resolve_folder(path_or_id):
     """A folder, or a hub id downloaded (or found in the hub's cache) -> the folder to read."""
-    if not isinstance(path_or_id, (str, os.PathLike)):
-        raise ValueError(f"load needs a folder or a hub id such as state-spaces/mamba-130m, "
-                         f"got {type(path_or_id).__name__}")
+    if not isinstance(path_or_id, (str, os.PathLike)) or not isinstance(os.fspath(path_or_id), str) \
+            or "\0" in os.fspath(path_or_id):
+        raise ValueError(f"load needs a folder or a hub id such as state-spaces/mamba-130m, got {path_or_id!r}")
     path_or_id = os.fspath(path_or_id)
-    if not isinstance(path_or_id, str) or "\0" in path_or_id:
-        raise ValueError(f"load needs a folder or a hub id as text, got {path_or_id!r}")
     if os.path.isdir(path_or_id):
         return path_or_id
     if os.path.lexists(path_or_id):
@@ -139,9 +135,9 @@ def _resolve_folder(path_or_id):
     try:
         from huggingface_hub import list_repo_files, snapshot_download
     except ImportError:
-        raise FileNotFoundError(f"{path_or_id!r} is not a folder, and huggingface_hub is not installed to download "
-                                f"it: pip install huggingface_hub, or download config.json and the weights from "
-                                f"https://huggingface.co/{path_or_id} into a folder and pass that folder") from None
+        raise FileNotFoundError(f"{path_or_id!r} is not a folder, and huggingface_hub is not installed to "
+                                f"download it (pip install huggingface_hub, or fetch https://huggingface.co/"
+                                f"{path_or_id})") from None
     try:
         files = list_repo_files(path_or_id)
     except Exception:  # offline or unreachable: snapshot_download answers from the cache, or says why not
@@ -165,9 +161,8 @@ def _download_patterns(files):
     pickles = ["*.bin", "pytorch_model.bin.index.json"]
     if files is None:
         return ["config.json"] + safetensors + pickles
-    has_safetensors = any(f.endswith(".safetensors") for f in files)
     has_bin = any(f.endswith(".bin") for f in files)
-    use_safetensors = has_safetensors and (_safetensors_installed() or not has_bin)
+    use_safetensors = any(f.endswith(".safetensors") for f in files) and (_safetensors_installed() or not has_bin)
     return ["config.json"] + (safetensors if use_safetensors else pickles)
 
 
@@ -225,14 +220,12 @@ def _read_weights(path):
         if safetensors:
             state_dict = load_file(path)
         else:
-            with warnings.catch_warnings():  # torch's note on the pickle protocol of a file it refuses anyway
-                warnings.filterwarnings("ignore", message="Detected pickle protocol")
-                try:
-                    state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError as err:  # the legacy (not zip) format cannot be memory-mapped
-                    if "mmap" not in str(err):
-                        raise
-                    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                state_dict = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:  # the legacy (not zip) format cannot be memory-mapped
+                if "mmap" not in str(err):
+                    raise
+                state_dict = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
         what = f"it would call {refused.group(1)}" if refused else _first_line(err)
@@ -271,12 +264,11 @@ def _is_transformers(d):
 def generation_of(config):
     """config.json's dict -> 1, 2 or 3: the Mamba generation it describes."""
     if _is_transformers(config):
-        kinds = {"mamba": 1, "mamba2": 2}
         model_type = config.get("model_type")
-        if not isinstance(model_type, str) or model_type not in kinds:
+        if model_type not in ("mamba", "mamba2"):
             raise ValueError(f"config.json describes a transformers {model_type!r} model; "
                              f"this file loads model_type 'mamba' and 'mamba2'")
-        return kinds[model_type]
+        return 1 if model_type == "mamba" else 2
     layer = _ssm_cfg(config).get("layer", "Mamba1")
     if layer not in ("Mamba1", "Mamba2", "Mamba3"):
         raise ValueError(f"config.json's ssm_cfg.layer must be Mamba1, Mamba2 or Mamba3, got {layer!r}")
@@ -296,20 +288,10 @@ def _require(d, names):
         raise ValueError(f"config.json is missing the fields {missing} (found {sorted(d)})")
 
 
-def _check_activation(d):
-    """transformers' hidden_act: the activation after the conv and on the gate, SiLU in every official model."""
-    if d.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
-
-
 def official_lm_fields(d, ours):
     """The fields of an official config.json that a config class has (ours: its field names), null
     attn_layer_idx and attn_cfg read as the official defaults (as create_block does)."""
-    kwargs = {k: v for k, v in d.items() if k in ours}
-    for name in ("attn_layer_idx", "attn_cfg"):
-        if name in kwargs and kwargs[name] is None:
-            del kwargs[name]
-    return kwargs
+    return {k: v for k, v in d.items() if k in ours and not (k in ("attn_layer_idx", "attn_cfg") and v is None)}
 
 
 # Mamba-1. transformers' MambaConfig name -> MambaConfig's
@@ -332,7 +314,8 @@ def config_from_dict(d, **overrides):
         if d.get("model_type") == "mamba2" or "head_dim" in d or "num_heads" in d:
             raise ValueError("config.json describes a Mamba-2 model (transformers' Mamba2ForCausalLM)" + to_mamba2)
         _require(d, ["hidden_size", "num_hidden_layers", "vocab_size"])
-        _check_activation(d)
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):  # after the conv and on the gate
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
         kwargs = {_HF_FIELDS[k]: v for k, v in d.items() if k in _HF_FIELDS}
         kwargs["pad_vocab_size_multiple"] = 1  # even where a converted config.json still carries one
     else:
@@ -360,16 +343,15 @@ def config_from_dict(d, **overrides):
     return HybridMambaConfig(**kwargs)
 
 
-# Mamba-2. Official (state-spaces/mamba2-130m ...): ssm_cfg = {"layer": "Mamba2", d_state, headdim,
-# ngroups, chunk_size ...}, pad_vocab_size_multiple 16; the hybrid mamba2attn-2.7b sets attn_layer_idx
-# and attn_cfg. transformers' Mamba2ForCausalLM: num_heads, head_dim, n_groups, ..., and
-# tie_word_embeddings false unless it says otherwise.
+# Mamba-2. Official (state-spaces/mamba2-130m; mamba2attn-2.7b is a hybrid): ssm_cfg = {"layer": "Mamba2",
+# d_state, headdim, ngroups, chunk_size ...}. transformers' Mamba2ForCausalLM: num_heads, head_dim,
+# n_groups ..., and tie_word_embeddings false unless it says otherwise.
 _MAMBA2_HF_FIELDS = {
     "hidden_size": "d_model", "num_hidden_layers": "n_layer", "vocab_size": "vocab_size", "state_size": "d_state",
     "expand": "expand", "conv_kernel": "d_conv", "head_dim": "headdim", "n_groups": "ngroups",
-    "chunk_size": "chunk_size", "time_step_min": "dt_min", "time_step_max": "dt_max", "time_step_floor": "dt_init_floor",
-    "time_step_limit": "dt_limit", "use_bias": "bias", "use_conv_bias": "conv_bias", "layer_norm_epsilon": "norm_epsilon",
-    "residual_in_fp32": "residual_in_fp32", "tie_word_embeddings": "tie_embeddings"}
+    "chunk_size": "chunk_size", "time_step_min": "dt_min", "time_step_max": "dt_max", "time_step_limit": "dt_limit",
+    "time_step_floor": "dt_init_floor", "use_bias": "bias", "use_conv_bias": "conv_bias", "residual_in_fp32":
+    "residual_in_fp32", "layer_norm_epsilon": "norm_epsilon", "tie_word_embeddings": "tie_embeddings"}
 _MAMBA2_SSM_FIELDS = {"d_state", "d_conv", "expand", "headdim", "d_ssm", "ngroups", "A_init_range",
                       "dt_min", "dt_max", "dt_init_floor", "dt_limit", "bias", "conv_bias", "chunk_size"}
 # official Mamba2 options that only change how it runs or how it is initialized
@@ -400,7 +382,8 @@ def mamba2_config_from_dict(d, **overrides):
         kwargs["pad_vocab_size_multiple"] = 1
         if d.get("rms_norm") is False:
             raise ValueError("rms_norm: false (no gated norm in the mixer) is not supported")
-        _check_activation(d)
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported, only silu")
     else:
         ssm_cfg = _ssm_cfg(d)
         layer = ssm_cfg.pop("layer", "Mamba1")
@@ -443,9 +426,8 @@ _MAMBA3_OWN_FIELDS = {"A_activation"}
 
 
 def mamba3_config_from_dict(d, **overrides):
-    """A Mamba3Config from an official config.json dict (MambaLMHeadModel with ssm_cfg.layer = "Mamba3").
-    ssm_cfg fields that the official Mamba3 does not take are dropped with a warning, as its **kwargs
-    drops them (at e9594ce)."""
+    """A Mamba3Config from an official config.json dict (ssm_cfg.layer = "Mamba3"); ssm_cfg fields the
+    official Mamba3 does not take are dropped with a warning, as its **kwargs drops them (e9594ce)."""
     ssm_cfg = _ssm_cfg(d)
     layer = ssm_cfg.pop("layer", "Mamba1")
     if layer != "Mamba3":
@@ -465,12 +447,10 @@ def mamba3_config_from_dict(d, **overrides):
 # ------------------------------------------------------------------------------------------------
 # 3. The weights into a model: sizes checked first, no memory for what they replace
 # ------------------------------------------------------------------------------------------------
-# In order: the keys under the model's names; the sizes the checkpoint fixes (layer count, vocabulary,
-# width) against the config's, so that 10**6 layers or a width of 10**9 are refused before anything
-# is built; the model built on the meta device (shapes without memory, inits that do nothing); keys
-# and shapes checked against it; and the checkpoint's tensors themselves handed to it
-# (load_state_dict with assign=True), each converted to its dtype and device on the way. So a bf16
-# checkpoint loaded in bf16 is held once, never beside an fp32 model.
+# In order: the sizes the checkpoint fixes (layers, vocabulary, width) against the config's, so that
+# 10**6 layers are refused before anything is built; the model built on the meta device (shapes, no
+# memory, inits that do nothing); keys and shapes checked against it; and the checkpoint's tensors
+# handed to it (assign=True), each converted on the way: a bf16 checkpoint in bf16 is held once.
 
 _LAYER_KEY = re.compile(r"backbone\.layers\.(\d+)\.")
 
@@ -498,9 +478,9 @@ def _check_sizes(cfg, sd):
                          f"(backbone.layers.N. with N in {shown})")
     emb = sd.get("backbone.embedding.weight")  # missing or not 2-d: the key and shape checks name it
     if emb is not None and emb.dim() == 2 and tuple(emb.shape) != (cfg.padded_vocab_size, cfg.d_model):
-        raise ValueError(f"checkpoint tensor backbone.embedding.weight has shape {tuple(emb.shape)}, and config.json's "
-                         f"vocab_size = {cfg.vocab_size} (padded to {cfg.padded_vocab_size}) and d_model = "
-                         f"{cfg.d_model} need ({cfg.padded_vocab_size}, {cfg.d_model})")
+        raise ValueError(f"checkpoint tensor backbone.embedding.weight has shape {tuple(emb.shape)}, and "
+                         f"config.json's vocab_size = {cfg.vocab_size} (padded to {cfg.padded_vocab_size}) and "
+                         f"d_model = {cfg.d_model} need ({cfg.padded_vocab_size}, {cfg.d_model})")
 
 
 def convert_state_dict(state_dict, model):
@@ -532,12 +512,10 @@ def _parameters_on_meta():
     does); each is made for real first, so load_weights uses it only once the checkpoint fixed the shapes."""
     register = torch.nn.Module.register_parameter
 
-    def register_on_meta(module, name, param):
-        if param is not None and param.device.type != "meta":
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+    def on_meta(module, name, param):
+        register(module, name, param if param is None else torch.nn.Parameter(param.to("meta"), param.requires_grad))
 
-    torch.nn.Module.register_parameter = register_on_meta
+    torch.nn.Module.register_parameter = on_meta
     try:
         yield
     finally:
@@ -555,8 +533,8 @@ def _build(cls, cfg, where):
                 if isinstance(getattr(cfg, f.name), int) and getattr(cfg, f.name) >= 2 ** 31]
         huge += [f"attn_cfg.{k} = {v}" for k, v in (getattr(cfg, "attn_cfg", None) or {}).items()
                  if isinstance(v, int) and v >= 2 ** 31]
-        raise ValueError(f"config.json's sizes make tensors too large to build ({', '.join(huge) or _first_line(err)}); "
-                         f"they must match the checkpoint's") from None
+        raise ValueError(f"config.json's sizes make tensors too large to build "
+                         f"({', '.join(huge) or _first_line(err)}); they must match the checkpoint's") from None
 
 
 def load_weights(cls, cfg, folder, device=None, dtype=None, keep_fp32=("mixer.A_log", "mixer.D")):
@@ -609,8 +587,7 @@ def checked_device(device):
         device = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device {device} is not a device name; expected cpu, cuda, cuda:N or mps") from None
-    available = {"cpu": 1, "cuda": torch.cuda.device_count(),
-                 "mps": int(getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available())}
+    available = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}
     if device.type != "cpu" and (device.index or 0) >= available.get(device.type, 0):
         raise ValueError(f"device {device}: torch finds {available.get(device.type, 0)} {device.type} device(s)")
     return device
@@ -639,7 +616,8 @@ def load(path_or_id, device=None, dtype=None, cls=None, **overrides):
         raise ValueError(f"config.json describes a Mamba-{generation} model; {cls.__name__} "
                          f"loads Mamba-{GENERATION_OF_CLASS[cls]} (cls=None loads any generation)")
     from_dict, cfg_cls, keep_fp32 = GENERATIONS[generation]
-    known = [f.name for f in fields(cfg_cls)] + [n for n in _HYBRID_FIELDS if n not in {f.name for f in fields(cfg_cls)}]
+    known = [f.name for f in fields(cfg_cls)]
+    known += [name for name in _HYBRID_FIELDS if name not in known]
     if set(overrides) - set(known):
         raise ValueError(f"unknown {cfg_cls.__name__} fields {sorted(set(overrides) - set(known))}; the fields are "
                          f"{known}")
@@ -797,11 +775,11 @@ def A_variant_losses(path_or_model, input_ids, **load_kwargs):
         it over the vocabulary (padding entries left out), averaged over the b·(L − 1) predictions.
         A model passed in keeps the A_activation it had.
     """
-    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int32, torch.int64)
-            or input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 2):
-        raise ValueError(f"input_ids must be an integer tensor of shape (b, L) with b >= 1 and L >= 2, got "
-                         f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}"
-                         f" of shape {(tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None)}")
+    tensor = isinstance(input_ids, torch.Tensor)
+    if not tensor or input_ids.dtype not in (torch.int32, torch.int64) or input_ids.dim() != 2 \
+            or input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
+        got = f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if tensor else type(input_ids).__name__
+        raise ValueError(f"input_ids must be an integer tensor of shape (b, L) with b >= 1 and L >= 2, got {got}")
     if isinstance(path_or_model, Mamba3LM):
         if load_kwargs:
             raise ValueError(f"load_kwargs apply to a path only, got {sorted(load_kwargs)} with a loaded model")
@@ -991,10 +969,8 @@ def main(argv=None):
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=1024, help="score: tokens per forward pass")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                   help="the weights' dtype (bf16 halves the memory; A_log, D and the like stay fp32)")
-    p.add_argument("--compile", action="store_true",
-                   help="generate: compile the decode step (tens of seconds first, then faster per token)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the weights' dtype (A_log, D stay fp32)")
+    p.add_argument("--compile", action="store_true", help="generate: compile the decode step (tens of s first)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)

@@ -13,7 +13,6 @@ from dataclasses import asdict
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import mamba2_minimal as m2

@@ -15,9 +15,17 @@ import torch
 
 import mamba_minimal as mm
 import pretrained
-from test_pretrained import CLASSES, CharTokenizer, char_tokenizer, ids, tiny  # noqa: F401 (a fixture)
+from test_pretrained import CharTokenizer, ids, tiny
 
 unix_only = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs and /dev/zero are Unix's")
+
+
+@pytest.fixture
+def tokenizer_names(monkeypatch):
+    """pretrained.py's tokenizer: CharTokenizer, whatever the name; the names asked for, in order."""
+    names = []
+    monkeypatch.setattr(pretrained, "load_tokenizer", lambda name: names.append(name) or CharTokenizer())
+    return names
 
 
 def one_line_error(call, kind=ValueError):
@@ -188,12 +196,12 @@ def test_a_config_json_linked_to_a_device_is_refused(tmp_path, deadline, target)
 
 
 @unix_only
-def test_a_tokenizer_file_that_is_a_fifo_is_refused_before_transformers_opens_it(tmp_path, deadline, char_tokenizer):
+def test_a_tokenizer_file_that_is_a_fifo_is_refused_before_transformers_opens_it(tmp_path, deadline, tokenizer_names):
     folder, _ = saved(tmp_path)
     os.mkfifo(folder / "tokenizer.json")
     with pytest.raises(SystemExit, match="tokenizer.json is a FIFO; a checkpoint's files must be regular files"):
         pretrained.main(["generate", str(folder), "--prompt", "a", "--max-new-tokens", "1"])
-    assert char_tokenizer == []
+    assert tokenizer_names == []
 
 
 def test_a_config_json_that_is_a_folder_is_refused(tmp_path):
@@ -426,7 +434,7 @@ def generated(capsys, folder, *flags):
 
 @pytest.mark.parametrize("flags", [["--temperature", "1e-45"], ["--temperature", "1e-300"], ["--top-p", "1e-300"],
                                    ["--temperature", "1e-46", "--top-p", "1e-40"]])
-def test_temperatures_and_top_p_that_underflow_float32_decode_greedily(tmp_path, capsys, char_tokenizer, flags):
+def test_temperatures_and_top_p_that_underflow_float32_decode_greedily(tmp_path, capsys, tokenizer_names, flags):
     # greedy is the limit of both; divided in float32 they would give NaN, or drop every token
     folder, _ = saved(tmp_path)
     assert generated(capsys, folder, *flags) == generated(capsys, folder, "--temperature", "0")
@@ -437,7 +445,7 @@ def test_temperatures_and_top_p_that_underflow_float32_decode_greedily(tmp_path,
     (["--seed", str(2 ** 64)], "--seed must lie in [0, 2**64)"),
     (["--seed", "-1"], "--seed must lie in [0, 2**64)"),
 ])
-def test_flags_beyond_what_torch_takes_are_refused_by_name(tmp_path, capsys, monkeypatch, char_tokenizer, flags, message):
+def test_flags_beyond_what_torch_takes_are_refused_by_name(tmp_path, capsys, monkeypatch, tokenizer_names, flags, message):
     # torch.set_num_threads(100000) ends the process (a segfault, or a panic in tokenizers' pool)
     folder, _ = saved(tmp_path)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: pytest.fail(f"set_num_threads({n}) was called"))
