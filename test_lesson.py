@@ -68,14 +68,14 @@ def lines_run(fn):
     def calls(frame, event, arg):  # lines are traced in the project's files only
         return local if frame.f_code.co_filename in files else None
 
-    before = sys.gettrace()
+    before, before_threads = sys.gettrace(), threading.gettrace()
     threading.settrace(calls)  # autograd may run a backward in a thread of its own
     sys.settrace(calls)
     try:
         fn()
     finally:
         sys.settrace(before)
-        threading.settrace(before)
+        threading.settrace(before_threads)
     return seen
 
 
