@@ -123,7 +123,8 @@ def _resolve_folder(path_or_id):
     """A folder, or a hub id downloaded (or found in the hub's cache) -> the folder to read."""
     if not isinstance(path_or_id, (str, os.PathLike)) or not isinstance(os.fspath(path_or_id), str) \
             or "\0" in os.fspath(path_or_id):
-        raise ValueError(f"load needs a folder or a hub id such as state-spaces/mamba-130m, got {path_or_id!r}")
+        got = repr(path_or_id) if isinstance(path_or_id, (str, os.PathLike)) else type(path_or_id).__name__
+        raise ValueError(f"load needs a folder or a hub id such as state-spaces/mamba-130m, got {got}")
     path_or_id = os.fspath(path_or_id)
     if os.path.isdir(path_or_id):
         return path_or_id
@@ -226,14 +227,15 @@ def _read_weights(path):
                 if "mmap" not in str(err):
                     raise
                 state_dict = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
+    except Exception as err:  # a truncated download, a pickle of more than tensors, not a checkpoint
         refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        what = f"it would call {refused.group(1)}" if refused else _first_line(err)
-        raise ValueError(f"{path} could not be read: a pickle of more than tensors ({what}) is refused; a "
-                         f"checkpoint from someone else must never be loaded with weights_only=False") from None
-    except Exception as err:  # a truncated download, or not a plain tensor checkpoint
-        raise ValueError(f"{path} could not be read as a PyTorch state dict (truncated or not a "
-                         f"checkpoint?): {_first_line(err)}") from None
+        if isinstance(err, pickle.UnpicklingError) and refused:
+            raise ValueError(f"{path} could not be read: a pickle of more than tensors (it would call "
+                             f"{refused.group(1)}) is refused; a checkpoint from someone else must never be "
+                             f"loaded with weights_only=False") from None
+        why = re.search(r"WeightsUnpickler error: *\n*(.+)", str(err))  # torch's paragraphs: the line that says
+        raise ValueError(f"{path} could not be read as a PyTorch state dict (truncated or not a checkpoint?): "
+                         f"{why.group(1).strip() if why else _first_line(err)}") from None
     if not isinstance(state_dict, dict):
         raise ValueError(f"{path} must hold a dict of tensor name -> tensor (a state dict), got a "
                          f"{type(state_dict).__name__}")

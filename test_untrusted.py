@@ -304,6 +304,14 @@ def test_a_refused_pickle_is_reported_in_one_line(tmp_path, monkeypatch, sharded
     assert "add_safe_globals" not in message and "PRETRAINED_TEST_RAN" not in os.environ
 
 
+def test_a_damaged_pickle_is_reported_by_the_line_that_says_why(tmp_path):
+    folder, _ = saved(tmp_path)
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04\x95 not a checkpoint")
+    message = one_line_error(lambda: pretrained.load(folder))
+    assert "could not be read as a PyTorch state dict (truncated or not a checkpoint?): Unsupported operand" in message
+    assert "weights_only" not in message  # torch's advice to load it with weights_only=False
+
+
 def test_a_tensor_in_two_shards_is_refused(tmp_path):
     folder, model = saved(tmp_path)
     os.remove(folder / "pytorch_model.bin")
