@@ -284,10 +284,10 @@ def oracle_logits(ids, sd, config, pure):
 # 1. An official hybrid checkpoint loads strictly and computes the official equations
 # ------------------------------------------------------------------------------------------------
 
-READ_PATH = [("mamba1", name, False) for name in LAYOUTS]  # mamba_minimal.py's sections 2 and 3 as written
+AS_BUILT = [("mamba1", name, False) for name in LAYOUTS]  # not accelerated: mamba_minimal.py's sections 2 and 3
 
 
-@pytest.mark.parametrize("generation,layout_name,accelerated", [(*case, True) for case in CASES] + READ_PATH)
+@pytest.mark.parametrize("generation,layout_name,accelerated", [(*case, True) for case in CASES] + AS_BUILT)
 def test_a_hybrid_checkpoint_loads_strictly_and_equals_the_float64_oracle(tmp_path, generation, layout_name,
                                                                           accelerated):
     model, sd, config, pure = hybrid_model(tmp_path, generation, layout_name, accelerated)
