@@ -897,10 +897,8 @@ def test_A_variant_losses_are_each_variants_cross_entropy(tmp_path):
 @pytest.mark.parametrize("trained_with", m3.A_ACTIVATIONS)
 def test_A_variant_losses_name_the_variant_a_model_was_built_with(trained_with):
     """Text sampled from a model is likelier under the model's own A (the expected gap is the mean
-    KL divergence between the two predictions: on the weights of seed 1, 0.048 nats for either A,
-    measured on 32 texts of 100 tokens; seed 0's weights, since MambaLM draws its embedding after
-    the layers, give 0.02 to 0.03, too close to the margin for 8 texts)."""
-    torch.manual_seed(1)
+    KL divergence between the two predictions, 0.04 to 0.07 nats on these random weights)."""
+    torch.manual_seed(0)
     model = perturbed(Mamba3LM(small_config(A_activation=trained_with))).double()
     text = model.generate(torch.randint(0, 29, (8, 1)), 100, generator=torch.Generator().manual_seed(1))
     losses = pretrained.A_variant_losses(model, text)
