@@ -951,7 +951,7 @@ def check_flags(p, args):
         p.error(f"--threads must be at least 1, got {args.threads}")
     cores = os.cpu_count() or 1
     if args.threads is not None and args.threads > 4 * cores:  # torch crashes far above the cores
-        p.error(f"--threads {args.threads} is more than 4 x the {cores} cores this machine has")
+        p.error(f"--threads {args.threads} is more than 4 x the {cores} cores os.cpu_count() finds")
     try:
         return checked_device(args.device)
     except ValueError as err:
