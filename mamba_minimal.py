@@ -458,11 +458,12 @@ class Mamba(nn.Module):
     each layer's cache; step: one position (b, d_model) -> (b, d_model), the cache advanced in place.
     mixer_cls: the layer's mixer, MambaMixer or a later generation's."""
 
-    def __init__(self, cfg, mixer_cls=MambaMixer):
+    def __init__(self, cfg, mixer_cls=MambaMixer, init=True):
         super().__init__()
         self.layers = nn.ModuleList(self.make_block(cfg, mixer_cls, i) for i in range(cfg.n_layer))
         self.norm_f = self.make_norm(cfg)
-        self._init_weights(cfg.n_layer)
+        if init:  # MambaLM calls it itself, after its embedding's draw
+            self._init_weights(cfg.n_layer)
 
     def make_block(self, cfg, mixer_cls, i):  # hybrid.py builds other layers here
         return Block(cfg, mixer_cls(cfg))
@@ -719,12 +720,17 @@ class MambaLM(nn.Module):
     def __init__(self, cfg, mixer_cls=MambaMixer):
         super().__init__()
         self.cfg = cfg
-        self.backbone = self.backbone_cls(cfg, mixer_cls)
-        self.backbone.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)  # no padding_idx
-        nn.init.normal_(self.backbone.embedding.weight, std=0.02)  # the official init
+        embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)  # no padding_idx
+        self.backbone = self.backbone_cls(cfg, mixer_cls, init=False)
+        self.backbone.embedding = embedding
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
-            self.lm_head.weight = self.backbone.embedding.weight
+            self.lm_head.weight = embedding.weight
+        # the official init, the embedding N(0, 0.02) first: a seed gives the same weights whatever the
+        # backbone's class
+        with torch.no_grad():
+            nn.init.normal_(embedding.weight, std=0.02)
+        self.backbone._init_weights(cfg.n_layer)
 
     def optim_groups(self, weight_decay):
         """AdamW parameter groups: matrices decay; A_log (decay would pull every A towards -1), D,
