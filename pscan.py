@@ -134,7 +134,7 @@ def _combine(first, then):
 # one vectorized op over all its combines. Counted by count_combines (appendix D), one combine
 # per update of a b-part:
 #
-#   scan                    work           depth        counted at L = 1024 (`python bench.py depth`)
+#   scan                    work           depth        counted at L = 1024 (`python -m bench depth`)
 #   loop (section 1)        L              L            1024 combines in 1024 levels
 #   pscan (section 5)       O(L)           O(log L)     2036 combines in 19 levels: up, then down
 #   Hillis-Steele (sec. 6)  O(L log L)     O(log L)     9217 combines in 10 levels: L - 2^k at level k
@@ -259,7 +259,7 @@ def scan_hillis_steele(a, b, h0=None):
 # give inf·0 = NaN.)
 #
 # Hillis-Steele and the two-level scan are here to teach and to count: on the CPUs of RESULTS.md
-# both are slower than pscan (`python bench.py scan`).
+# both are slower than pscan (`python -m bench scan`).
 
 def _two_level(x, w, chunk_size=64):
     """Scan x along dim 1; return a new tensor. x, w: (batch, n, *rest), w[:, t] = a_t (section 5)."""
@@ -612,9 +612,9 @@ def scan_associative(a, b, h0=None):
 #
 # Which backend is fastest depends on the device, the width of one step (batch·prod(rest)) and
 # whether a backward pass follows. With a backward pass the tree wins on a CPU (1.6x to 14x in
-# `python bench.py scan` on a 2-core Intel Xeon with AVX-512), because the loop's autograd graph
+# `python -m bench scan` on a 2-core Intel Xeon with AVX-512), because the loop's autograd graph
 # records L small steps. Forward only, the loop reads each input once and catches up as a step
-# gets wider, on one thread only: `python bench.py crossover` (L = 1024) on that CPU found, with
+# gets wider, on one thread only: `python -m bench crossover` (L = 1024) on that CPU found, with
 # one thread, the loop and pscan level at width 4096 and the loop ahead from 8192 on (1.28x, 1.37x
 # at 16384, 1.39x at 24576), hence the threshold below; with two threads pscan was ahead at every
 # width, so the loop is chosen only where torch runs one thread.
@@ -623,7 +623,7 @@ def scan_associative(a, b, h0=None):
 # microseconds on the GPU and more on the CPU that issues it, while the tree runs about 3·log2(L)
 # kernels but moves about 11 values per element against the loop's 4 (section 5: each level reads
 # and writes its pairs and multiplies the multipliers of the level above). The loop wins once a
-# step is wide enough for its bytes to outweigh those fixed costs. By `python bench.py roofline`,
+# step is wide enough for its bytes to outweigh those fixed costs. By `python -m bench roofline`,
 # a model of a training step, not a measurement (RESULTS.md), for Mamba-1 at the trainer's CUDA
 # defaults with the batch varied (RESULTS.md, "The loop against the tree on a GPU"): the loop
 # overtakes the tree between 393 and 492 thousand values per step on the H100 and at about 590
@@ -667,7 +667,7 @@ def backend_for(device, width, needs_grad):
 # Every combine in the scans above is one addcmul (b <- a*b_before + b), and every dependent level
 # is one call, so a torch function mode that notes the size of each addcmul's result counts work
 # and depth without a line of bookkeeping inside the scans: the figures of sections 5 to 7 and of
-# `python bench.py depth` are the scans' own. torch's associative_scan follows its own schedule,
+# `python -m bench depth` are the scans' own. torch's associative_scan follows its own schedule,
 # so its counts say little. Only the b-parts' updates count: the tree also multiplies a-parts for
 # the level above (1023 products at L = 1024), which the loop never needs.
 
