@@ -314,8 +314,8 @@ def _check_hybrid_fields(cfg):
     if not isinstance(cfg.rms_norm, bool):
         raise ValueError(f"{name}.rms_norm must be True (RMSNorm) or False (LayerNorm), got {cfg.rms_norm!r}")
     idx = cfg.attn_layer_idx
-    if not isinstance(idx, (list, tuple)) or len(set(idx)) != len(idx) or not all(
-            _is_count(i) and i < cfg.n_layer for i in idx):
+    if not isinstance(idx, (list, tuple)) or not all(_is_count(i) and i < cfg.n_layer for i in idx) \
+            or len(set(idx)) != len(idx):
         raise ValueError(f"{name}.attn_layer_idx must be a list of distinct layer indices in [0, n_layer = "
                          f"{cfg.n_layer}), got {idx!r}")
     if not isinstance(cfg.attn_cfg, dict):

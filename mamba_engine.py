@@ -913,8 +913,8 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, 
     if backend == "reference" and compile:
         raise ValueError("backend='reference' runs the lesson's code, compile runs the fused path: choose one")
     for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got a {type(t).__name__}")
+        if (t is not None or name in "x delta A B C") and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x must have shape (b, L, ED) (batch, length, channels), got {tuple(x.shape)}")
     b, l, ed = x.shape
@@ -967,6 +967,8 @@ def accelerate(model, backend="auto", compile=False, chunk_size=CHUNK_SIZE, reco
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if not isinstance(recompute, bool):
         raise ValueError(f"recompute must be True or False, got {recompute!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"accelerate takes a built model (an nn.Module), got {type(model).__name__}")
     mixers = [m for m in model.modules() if isinstance(m, MambaMixer)]
     if not mixers:
         raise ValueError(f"accelerate runs Mamba-1's mixers (MambaMixer); {type(model).__name__} has none")
@@ -984,5 +986,8 @@ def accelerate(model, backend="auto", compile=False, chunk_size=CHUNK_SIZE, reco
 def compile_decode(model):
     """generate's per-token step of `model` (any generation) as one torch.compile graph, made on the
     first token (decode_step above). Returns the model."""
+    if not isinstance(model, torch.nn.Module) or not callable(getattr(type(model), "_step", None)):
+        raise ValueError(f"compile_decode takes a built language model (MambaLM, Mamba2LM, Mamba3LM), got "
+                         f"{type(model).__name__}")
     model._step = decode_step(model, compile=True)
     return model

@@ -452,6 +452,19 @@ class Block(nn.Module):
         return self._add(hidden, self.mixer.step(self.norm(hidden), cache))
 
 
+def _check_hidden(hidden, d_model, rank, cache, n_layer):
+    """The backbone's input (b, L, d_model), or (b, d_model) for step, and a cache of one entry a layer."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != rank or hidden.shape[-1] != d_model \
+            or not hidden.is_floating_point():
+        got = f"{hidden.dtype} {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        shape = "(b, L, d_model)" if rank == 3 else "(b, d_model)"
+        raise ValueError(f"the input must be a floating-point tensor of shape {shape} with d_model = {d_model}, "
+                         f"got {got}")
+    if (cache is not None or rank == 2) and (not isinstance(cache, (list, tuple)) or len(cache) != n_layer):
+        raise ValueError(f"cache must hold one entry per layer ({n_layer}), as forward(..., want_cache=True) "
+                         f"returns it")
+
+
 class Mamba(nn.Module):
     """The backbone (`backbone` in the official tree, the official MixerModel without its embedding):
     n_layer blocks, then norm_f. forward: (b, L, d_model) -> (b, L, d_model), with want_cache also
@@ -490,6 +503,7 @@ class Mamba(nn.Module):
     def forward(self, hidden, want_cache=False, cache=None, **options):
         """hidden (b, L, d_model) -> (b, L, d_model), and with want_cache the cache: per layer its
         mixer's (conv_state, ssm_state). cache, options: section 3's options."""
+        _check_hidden(hidden, self.norm_f.weight.shape[0], 3, cache, len(self.layers))
         new_cache = []
         for i, layer in enumerate(self.layers):
             layer_options = options if cache is None else dict(options, cache=cache[i])  # option
@@ -503,6 +517,7 @@ class Mamba(nn.Module):
 
     def step(self, hidden, cache):
         """One position: hidden (b, d_model) -> (b, d_model); the cache advances in place."""
+        _check_hidden(hidden, self.norm_f.weight.shape[0], 2, cache, len(self.layers))
         for layer, layer_cache in zip(self.layers, cache):
             hidden = layer.step(hidden, layer_cache)  # (b, d_model)
         return self.norm_f(hidden)
@@ -668,6 +683,7 @@ def top_k_top_p(logits, top_k=None, top_p=None):
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= top_p  # mass before this token already reaches top_p
+        drop[:, 0] = False  # the likeliest token stays, however small top_p (0 in fp32: all would go)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return logits
 
@@ -675,7 +691,7 @@ def top_k_top_p(logits, top_k=None, top_p=None):
 def _sample(logits, temperature, top_k, top_p, generator):
     """logits (b, V) -> token ids (b,), the arguments checked already (by sample_next below, or by
     generate once for all its tokens)."""
-    if temperature == 0 or top_k == 1:
+    if temperature < torch.finfo(torch.float32).tiny or top_k == 1:  # 0, or 0 once in fp32: greedy
         return logits.argmax(-1)
     # the largest logit moved to 0 first: a tiny temperature then sends the others to -inf, never
     # the largest to inf (inf - inf would be NaN)
@@ -745,7 +761,8 @@ class MambaLM(nn.Module):
         cache, seq_idx, attention_mask: section 3's options, None in training."""
         # values are read on CPU ids or once per prompt; not while torch.compile traces (a read would
         # cut the graph in two), nor under torch.func.vmap
-        read_values = (want_cache or input_ids.device.type == "cpu") and not torch.compiler.is_compiling() \
+        read_values = isinstance(input_ids, torch.Tensor) and (want_cache or input_ids.device.type == "cpu") \
+            and not torch.compiler.is_compiling() \
             and not any(_batched_by_vmap(t) for t in (input_ids, seq_idx, attention_mask))
         _check_ids(input_ids, 2, self.cfg.vocab_size, read_values)
         options = {}

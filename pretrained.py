@@ -6,7 +6,6 @@ command that runs one with its tokenizer.
     model = pretrained.load("state-spaces/mamba-130m")   # or a folder; any generation, any layout
     pretrained.save(model, "my-folder")                  # config.json and the weights, official layout
 
-    python pretrained.py generate state-spaces/mamba-130m --prompt "The meaning of life is"
     python pretrained.py generate state-spaces/mamba3-siso-187m --prompt "Hello" --dtype bf16
     python pretrained.py score state-spaces/mamba2-130m --text essay.txt   # mean loss per token
 
@@ -267,6 +266,11 @@ def generation_of(config):
     """config.json's dict -> 1, 2 or 3: the Mamba generation it describes."""
     if _is_transformers(config):
         model_type = config.get("model_type")
+        if model_type is None:  # transformers writes it; a hand-made config.json may not: its fields say
+            architectures = config.get("architectures")
+            two = "head_dim" in config or "num_heads" in config or (
+                isinstance(architectures, list) and "Mamba2ForCausalLM" in architectures)
+            model_type = "mamba2" if two else "mamba"
         if model_type not in ("mamba", "mamba2"):
             raise ValueError(f"config.json describes a transformers {model_type!r} model; "
                              f"this file loads model_type 'mamba' and 'mamba2'")

@@ -460,3 +460,44 @@ def test_flags_beyond_what_torch_takes_are_refused_by_name(tmp_path, capsys, mon
     with pytest.raises(SystemExit):
         pretrained.main(["generate", str(folder), "--prompt", "a"] + flags)
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# The sweep over the rooms' entry points (issue 46 item 4): what it found, each now one clear error
+# ------------------------------------------------------------------------------------------------
+
+def test_a_transformers_config_without_model_type_loads_by_its_fields(tmp_path):
+    # transformers writes model_type; a hand-made config.json may leave it out, and its fields say which
+    model = write_transformers_mamba1(tmp_path / "ckpt", "silu")
+    edit_config(tmp_path / "ckpt", lambda c: c.pop("model_type"))
+    assert torch.equal(pretrained.load(tmp_path / "ckpt", cls=mm.MambaLM)(ids()), model(ids()))
+    edit_config(tmp_path / "ckpt", lambda c: c.update(architectures=7))
+    assert torch.equal(pretrained.load(tmp_path / "ckpt")(ids()), model(ids()))
+
+
+def test_the_rooms_refuse_what_is_not_a_model_or_a_tensor_in_one_line():
+    import hybrid
+    import mamba_engine
+    backbone = mm.Mamba(mm.MambaConfig(d_model=16, n_layer=2))
+    cases = [
+        (lambda: mamba_engine.accelerate(None), "accelerate takes a built model"),
+        (lambda: mamba_engine.compile_decode("model"), "compile_decode takes a built language model"),
+        (lambda: mamba_engine.selective_scan(None, None, None, None, None), "x must be a tensor"),
+        (lambda: hybrid.HybridMambaConfig(attn_layer_idx=[[1]]), "attn_layer_idx must be a list of distinct"),
+        (lambda: mm.MambaLM(mm.MambaConfig())(None), "input_ids must be a tensor of shape"),
+        (lambda: backbone(torch.zeros(2, 5)), "shape \\(b, L, d_model\\) with d_model = 16"),
+        (lambda: backbone(torch.zeros(2, 5, 16, dtype=torch.complex64)), "floating-point"),
+        (lambda: backbone.step(torch.zeros(2, 16), None), "one entry per layer \\(2\\)"),
+        (lambda: backbone.step(torch.zeros(2, 16), []), "one entry per layer \\(2\\)"),
+    ]
+    for call, message in cases:
+        assert re.search(message, one_line_error(call)), message
+
+
+def test_temperatures_and_top_p_that_underflow_float32_sample_the_greedy_token():
+    # 1e-46 is 0 in fp32: dividing by it gave NaN probabilities; a top_p that is 0 in fp32 dropped every token
+    torch.manual_seed(0)
+    logits = torch.randn(4, 9)
+    greedy = logits.argmax(-1)
+    for temperature, top_p in ((1e-46, None), (1e-300, None), (1.0, 1e-300), (1e-30, None)):
+        assert torch.equal(mm.sample_next(logits, temperature, top_p=top_p), greedy), (temperature, top_p)
