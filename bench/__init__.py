@@ -4,7 +4,7 @@ bench: side-by-side timings and memory, a module per question. Run from the repo
     python -m bench scan          # h = scan(a, b): every backend vs the loop and a memory floor      (scan.py)
     python -m bench depth         # work and depth of each scan, counted, beside its CPU time          (scan.py)
     python -m bench crossover     # forward only: from which width the loop beats pscan on a CPU      (scan.py)
-    python -m bench selective     # selective_scan: eager backends vs the fused chunked path          (scan.py)
+    python -m bench selective     # selective_scan: eager backends vs the fused path          (scan.py)
     python -m bench mamba2_ssd    # Mamba-2's SSD and block vs Mamba-1's scan and block                (scan.py)
     python -m bench train         # one training step: the default Mamba, its alternatives, the GPT   (train.py)
     python -m bench profile       # where the default Mamba's training step goes, op by op            (train.py)

@@ -4,7 +4,7 @@ bench/scan.py: the scans on their own, outside any model.
     python -m bench scan        # h = scan(a, b): every pscan.py backend vs the loop and a memory floor
     python -m bench depth       # work and depth of each scan, counted, beside its CPU time
     python -m bench crossover   # forward only: from which width the loop beats pscan on a CPU
-    python -m bench selective   # selective_scan: the eager backends vs the fused chunked path
+    python -m bench selective   # selective_scan: the eager backends vs the fused path
     python -m bench mamba2_ssd  # Mamba-2's SSD and block vs Mamba-1's scan and block, eager and compiled
 
 Peak memory is measured in a subprocess per case (memory_case), Linux only.
@@ -302,7 +302,7 @@ def bench_mamba2_ssd(args, device):
                                                          d_state=64, chunk_size=T, compile_mixer=c)).to(device)
                   for T in (64, 256) for c in (False, True)}
         cases = {  # path: (eager, compiled)
-            "Mamba-1 scan (N 16), pscan | compiled chunked":
+            "Mamba-1 scan (N 16), pscan | compiled fused":
                 (lambda: mamba_engine.selective_scan(*sel, backend="pscan"),
                  lambda: mamba_engine.selective_scan(*sel, compile=True)),
             "Mamba-2 SSD (N 64), chunk 64":
@@ -332,7 +332,7 @@ def bench_mamba2_ssd(args, device):
         t_b = interleaved({key: (lambda fn=fn: fb(fn)) for key, fn in runs.items()}, reps, device)
         for k in cases:
             ref = ("Mamba-1 block (default) | compile=True" if "block" in k
-                   else "Mamba-1 scan (N 16), pscan | compiled chunked")
+                   else "Mamba-1 scan (N 16), pscan | compiled fused")
             cells = []
             for t in (t_f, t_b):
                 for kind in ("eager", "compiled"):

@@ -23,7 +23,7 @@ from gpt_minimal import GPTConfig, TinyGPT
 
 def bench_train(args, device):
     """The trainer's default Mamba (d_state 2, mamba_engine's backend "auto") against the GPT
-    yardstick and Mamba-2's default, with the alternatives beside it: the read path (the lesson's
+    yardstick and Mamba-2's default, with the alternatives beside it: the model as built (the lesson's
     code under autograd, not accelerated), d_state 4 and 16, each scan backend, the fused path
     eager and compiled."""
     import mamba2_minimal as m2
@@ -32,7 +32,7 @@ def bench_train(args, device):
     ids = torch.randint(0, vocab, (batch, block + 1), device=device)
     models = {}
     for name, kw, engine in [("mamba default (d_state 2, auto)", {}, {}),
-                             ("mamba read path (reference)", {}, dict(backend="reference")),
+                             ("mamba as built (the lesson, not accelerated)", {}, dict(backend="reference")),
                              ("mamba d_state 4", dict(d_state=4), {}),
                              ("mamba d_state 16", dict(d_state=16), {}),
                              ("mamba sequential", {}, dict(backend="sequential")),
