@@ -470,8 +470,9 @@ def checkpoint_loss(path, x, y, vocab):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
 
 
-# a run whose val loss, evaluated every step, falls to a best at step 19 and then rises: patience 3
-# stops it at step 22 (checked in the test, so a change of the numbers cannot hide)
+# a run whose val loss, evaluated every step, falls to a best and then rises: patience 3 stops it,
+# at step 22 on an AVX-512 CPU and 21 under ATEN_CPU_CAPABILITY=avx2 (rounding steers so unstable a run:
+# the tests read the step from the run, and check that it stopped early)
 WOBBLY = ["--max-iters", "24", "--eval-interval", "1", "--lr", "0.18", "--min-lr", "0.18", "--patience", "3"]
 
 
@@ -530,12 +531,20 @@ def killed_at(monkeypatch, at_step):
     monkeypatch.setattr(ts, "get_batch", get_batch)
 
 
+def stopped_at(out_dir):
+    """The step a wobbly run stopped at, early (before WOBBLY's 24 steps, 3 evaluations after its best)."""
+    rows = [r for r in evals(out_dir) if "val_loss" in r]
+    best = min(range(len(rows)), key=lambda i: rows[i]["val_loss"])
+    assert rows[-1]["step"] < 24 and rows[-1]["step"] == rows[best]["step"] + 3, rows  # the premise
+    return rows[-1]["step"]
+
+
 def test_resume_after_a_kill_gives_the_same_log_and_the_same_early_stop(text_file, tmp_path, capsys, monkeypatch):
     straight = str(tmp_path / "straight")
     wobbly_run(text_file, straight, capsys)
     broken = str(tmp_path / "broken")
     with monkeypatch.context() as m:
-        killed_at(m, 21)  # after the eval at step 21: two evals without improvement so far
+        killed_at(m, stopped_at(straight) - 1)  # after the eval before the stop: two without improvement
         with pytest.raises(KeyboardInterrupt):
             wobbly_run(text_file, broken, capsys)
     wobbly_run(text_file, broken, capsys, ["--resume"])
@@ -549,7 +558,7 @@ def test_resume_after_a_kill_gives_the_same_log_and_the_same_early_stop(text_fil
 def test_a_run_that_stopped_early_stays_stopped_on_resume(text_file, tmp_path, capsys, monkeypatch):
     straight = str(tmp_path / "straight")
     wobbly_run(text_file, straight, capsys)
-    assert torch.load(os.path.join(straight, "last.pt"), weights_only=True)["step"] == 22  # stopped early
+    stop = stopped_at(straight)
     broken = str(tmp_path / "broken")
     with monkeypatch.context() as m:  # killed after the early stop, before the end of the run
         m.setattr(ts, "finish", lambda run: (_ for _ in ()).throw(KeyboardInterrupt))
@@ -559,9 +568,9 @@ def test_a_run_that_stopped_early_stays_stopped_on_resume(text_file, tmp_path, c
     assert without_elapsed(evals(broken)) == without_elapsed(evals(straight))
     before = {name: open(os.path.join(straight, name), "rb").read() for name in ("best.pt", "last.pt")}
     out = run(["--data", text_file, "--out-dir", straight, "--resume"], capsys)  # a finished run, again
-    assert "stopped early at step 22: nothing left to train" in out and "\nstep " not in out
+    assert f"stopped early at step {stop}: nothing left to train" in out and "\nstep " not in out
     assert {name: open(os.path.join(straight, name), "rb").read() for name in before} == before
-    assert [r["step"] for r in evals(straight)][-2:] == [22, 22]  # the last eval and the full-val row
+    assert [r["step"] for r in evals(straight)][-2:] == [stop, stop]  # the last eval and the full-val row
 
 
 def test_a_kill_between_log_row_and_checkpoint_repeats_no_row(text_file, tmp_path, capsys, monkeypatch):
@@ -1377,6 +1386,7 @@ def test_a_hand_edited_last_pt_is_called_damaged_on_resume(text_file, tmp_path, 
         ts.main(["--data", text_file, "--out-dir", folder, "--resume", "--max-iters", "4"])
 
 
+@pytest.mark.slow  # a process of its own for each
 @pytest.mark.parametrize("group, dim, damage", [
     (0, 2, lambda m: torch.zeros(3, 3)),  # another size
     (1, 1, lambda m: torch.zeros(m.numel() + 1)),  # a 1-D parameter's (a norm, a bias), in the group without decay
