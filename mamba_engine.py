@@ -914,7 +914,7 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, 
         raise ValueError("backend='reference' runs the lesson's code, compile runs the fused path: choose one")
     for name, t in (("x", x), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("h0", h0)):
         if (t is not None or name in "x delta A B C") and not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+            raise ValueError(f"{name} must be a tensor, got a {type(t).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x must have shape (b, L, ED) (batch, length, channels), got {tuple(x.shape)}")
     b, l, ed = x.shape
