@@ -268,7 +268,7 @@ class Progress:
     evals_done: int = 0  # time-based runs: how many of the budget's evaluation points have passed
     stopped_early: bool = False  # --patience ended the run
     eval_time: float = 0.0  # seconds of elapsed spent evaluating
-    eval_cost: float = 0.0  # the last evaluation's seconds
+    eval_cost: float = 0.0  # the cheapest evaluation's seconds
     decay_start: float = -1.0  # lr_at's: >= 0 after a resume that changed the budget
     decay_lr: float = 0.0
 
@@ -334,9 +334,10 @@ def train(run):
             before = p.elapsed
             losses = evaluate(run)
             p.elapsed = elapsed_now()
-            p.eval_cost = p.elapsed - before
-            p.eval_time += p.eval_cost
-            record(run, **losses)
+            took = p.elapsed - before
+            p.eval_cost = min(p.eval_cost or took, took)  # a slower one than this is the machine's doing
+            p.eval_time += took
+            record(run, took, **losses)
 
 
 def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
@@ -361,8 +362,8 @@ def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
 def evaluation_due(args, p):
     """Iteration-based: every --eval-interval steps and at the end. Time-based: at the end of the
     budget, and at the --num-evals equal fractions of it where evaluating stays within --eval-share
-    of the time spent (counting this evaluation and the one at the end; before the first one, an
-    evaluation is taken to cost --eval-iters training steps: 2 x eval-iters forwards of half a step)."""
+    of the time spent, counting this evaluation and the one at the end at the cost of the cheapest so
+    far (before the first one, --eval-iters training steps: 2 x eval-iters forwards of half a step)."""
     if args.max_time is None:
         return p.step % args.eval_interval == 0 or p.step == args.max_iters
     if p.elapsed >= args.max_time:
@@ -400,7 +401,7 @@ def evaluate(run):
                                         ("val_loss", run.val_data, run.val_starts))}
 
 
-def record(run, train_loss, val_loss):
+def record(run, took, train_loss, val_loss):
     """An evaluation's log line and log.jsonl row; best.pt if it is the best so far, and last.pt."""
     args, p = run.args, run.p
     if not math.isfinite(val_loss):
@@ -411,7 +412,7 @@ def record(run, train_loss, val_loss):
     p.bad_evals = 0 if improved else p.bad_evals + 1
     p.stopped_early = bool(args.patience) and p.bad_evals >= args.patience  # in last.pt: stays stopped
     log(f"eval step {p.step}: train {train_loss:.4f}, val {val_loss:.4f}{' (best)' if improved else ''}, "
-        f"{p.elapsed:.0f}s | evaluating took {p.eval_cost:.1f}s, {p.eval_time / p.elapsed:.0%} of the time so far")
+        f"{p.elapsed:.0f}s | evaluating took {took:.1f}s, {p.eval_time / p.elapsed:.0%} of the time so far")
     if p.stopped_early:
         log(f"early stop: val loss has not improved for {p.bad_evals} evaluations")
     if RANK == 0:
@@ -638,8 +639,8 @@ def build_parser():
     t.add_argument("--num-evals", type=int, help="time-based: evaluation points, at equal fractions of the budget")
     t.add_argument("--eval-share", type=float, help="time-based: the share of the time spent that evaluating may "
                    "take (default 0.1; 1: every point). A point is skipped unless the evaluations so far, this one and the one "
-                   "at the end of the budget fit in it; before the first one, an evaluation is taken to cost "
-                   "--eval-iters training steps. The log's ms/it and tok/s count training only")
+                   "at the end of the budget fit in it, each at the cheapest one's cost (before the first one, "
+                   "--eval-iters training steps). The log's ms/it and tok/s count training only")
     t.add_argument("--eval-iters", type=int, help="batches of fixed train and val windows per evaluation")
     t.add_argument("--log-interval", type=int)
     t.add_argument("--patience", type=int, help="stop after this many evals without improvement (0: never)")
