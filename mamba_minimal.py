@@ -10,10 +10,12 @@ hand-written backwards, or with compile=True the fused path through torch.compil
 
     1. The SSM and its discretization   h' = A·h + B·x, sampled with a step Δ      (paper eqs. 1, 2, 4)
     2. The selective scan               discretize, scan, read out with C          (Algorithm 2; selective_scan_ref)
-    3. The block                        MambaConfig, RMSNorm, the causal conv, the mixer (Mamba.forward)
+    3. The mixer                        MambaConfig, RMSNorm, the causal conv, the paper's Mamba block
+                                        (MambaMixer: the official Mamba module's forward)
     4. The backbone                     residual blocks: (b, L, d_model) -> (b, L, d_model), its init
     5. The language model               MambaLM, weight decay, recurrent inference: prefill, an O(1)
-                                        step per token, sampling, generate (MambaLMHeadModel, Mamba.step)
+                                        step per token, sampling, generate (MambaLMHeadModel; the official
+                                        Mamba.step is MambaMixer.step here)
 
 Glossary. One name, one meaning; shape comments use these letters.
 
@@ -33,7 +35,10 @@ Glossary. One name, one meaning; shape comments use these letters.
     dA, dBx  the discretized step, exp(Δ·A) and Δ·B·x:  h_t = dA_t·h_{t-1} + dBx_t   (b, L, ED, N)
     V        padded_vocab_size, the vocabulary padded (65 -> 72)
 
-Other files build on this one and this one knows none of them: mamba_engine.py (speed),
+Two names differ from the official code's: its `Mamba` module (the paper's block) is MambaMixer
+here, and Mamba here is the backbone, the official MixerModel without its embedding.
+
+Other files build on this one and this one imports none of them: mamba_engine.py (speed),
 pretrained.py (checkpoints), hybrid.py (attention and MLP layers), mamba2_minimal.py and
 mamba3_minimal.py (the later generations).
 """
@@ -131,7 +136,7 @@ def selective_scan_reference(x, delta, A, B, C, D=None, z=None, h0=None, backend
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. The block
+# 3. The mixer
 # ------------------------------------------------------------------------------------------------
 # The mixer around the selective scan (Figure 3, §3.4) and its parts: the config, the norm, the
 # causal conv. Its one-token step, the recurrent form that section 5's generation runs, sits next
@@ -277,9 +282,9 @@ def conv_buffer_after(x_in, d_conv, dtype, conv_state=None, seq_idx=None):
     (b, ED, d_conv) tensor of `dtype`: a cache must not keep the prompt's activations alive."""
     x_in = x_in.transpose(1, 2)  # (b, ED, L)
     if conv_state is None:
-        state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]
+        state = F.pad(x_in, (max(d_conv - x_in.shape[-1], 0), 0))[..., -d_conv:]  # (b, ED, d_conv)
     else:  # option: continuing a cache
-        state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]
+        state = torch.cat([conv_state.to(x_in.dtype), x_in], dim=-1)[..., -d_conv:]  # (b, ED, d_conv)
     if seq_idx is not None:  # option: packed sequences
         seq_pad = torch.cat([seq_idx[:, :1].expand(-1, d_conv), seq_idx], dim=1)[:, -d_conv:]  # (b, d_conv)
         state = state * (seq_pad == seq_idx[:, -1:]).unsqueeze(1)
@@ -346,7 +351,7 @@ class MambaMixer(nn.Module):
     def _ssm_inputs(self, x):
         """x (..., ED) after the conv -> delta (..., ED) in fp32 at least, B (..., N), C (..., N)."""
         cfg = self.cfg
-        dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
+        dt_low, B, C = self.x_proj(x).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)  # (..., dt_rank), (..., N) x2
         # The bias is added in fp32 (the official delta_bias): next to a bias of -2 to -7 bf16's
         # spacing is 1/64 to 1/32, a large share of the data-dependent part's spread at init.
         dt_raw = _at_least_fp32(F.linear(dt_low, self.dt_proj.weight))  # (..., ED) before softplus

@@ -6,12 +6,12 @@ pscan.py: the recurrence at the heart of Mamba, and every way to run it
 In Mamba (Gu & Dao 2023, arXiv 2312.00752, §3.2 and Algorithm 2) the state h(t) of a continuous
 SSM, h'(t) = A·h(t) + B·x(t), with x the SSM's input, is sampled with a step Δ_t > 0 computed
 from the token: Ā_t = exp(Δ_t·A) and B̄_t ≈ Δ_t·B_t (to first order, as the official code does;
-mamba_minimal.py §1 derives both). With A < 0, a_t = Ā_t is a decay in (0, 1) (exactly 1 where
+mamba_minimal.py's section 1 derives both). With A < 0, a_t = Ā_t is a decay in (0, 1) (exactly 1 where
 padding sets Δ = 0) and b_t = B̄_t·x_t, elementwise over every (channel, state) pair.
 Sections: 1 the loop, 2 the convolution view (why S4 needed no scan), 3 the combine rule, 4 work
 and depth, 5 Blelloch's work-efficient scan (pscan), 6 Hillis-Steele and 7 the two-level scan, 8
 the backward, 9 scan(), the entry point, 10 segment sums (Mamba-2's). The model needs 1 and 9;
-then come 3-5 and 8, the parallel scan; 2, 6, 7 and 10 can wait. The appendix is the engine: A
+then come 3-5 and 8, the parallel scan; 2, 6, 7 and 10 can wait. The appendix is past the lesson: A
 second derivatives, jvp, vmap; B torch's associative_scan; C how "auto" chooses; D counting
 combines; E input checks.
 
@@ -418,8 +418,9 @@ def pscan(a, b, h0=None):
 # ------------------------------------------------------------------------------------------------
 # 9. One entry point
 # ------------------------------------------------------------------------------------------------
-# The backends of sections 1 and 5-7, and torch's own (appendix B). "auto" runs pscan, or the loop
-# for forward-only passes over wide steps, on one CPU thread or on a GPU (appendix C).
+# The backends of sections 1 and 5-7, and torch's own (appendix B). mamba_minimal.py asks for
+# "sequential", section 1's loop. "auto" picks by the machine (appendix C): on one CPU thread or a GPU
+# it runs pscan, except for forward-only passes over wide steps, where the loop is faster.
 
 BACKENDS = ("auto", "sequential", "pscan", "hillis_steele", "two_level", "associative")
 
@@ -460,7 +461,7 @@ def segsum(log_a):
 
 
 # ================================================================================================
-# Appendix: the engine. The lesson ends above; what follows makes the same scans work with
+# Appendix: past the lesson. The lesson ends above; what follows makes the same scans work with
 # torch.func and second derivatives, wraps torch's own scan, picks a backend, counts combines
 # and checks inputs.
 # ================================================================================================

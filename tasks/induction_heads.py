@@ -14,7 +14,7 @@ baselines fall off soon past the training length. A selective state can keep the
 the trigger and ignore all the others however many come; nothing in it depends on the position.
 
 How it is tested: beyond the training length, through the recurrent form a model generates with
-(prefill on the first training-length tokens, then one O(1) step per token, mamba_minimal.py §5),
+(prefill on the first training-length tokens, then one O(1) step per token, mamba_minimal.py section 5),
 so the memory used does not grow with the test length. The GPT yardstick (gpt_minimal.py) has
 learned position embeddings, one per position up to its block size, the training length: it has
 no way to read a longer string, and is reported as not applicable (n/a) there.
