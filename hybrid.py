@@ -1,7 +1,7 @@
 """
 hybrid.py: the official MambaLMHeadModel's other layers, for every generation: a gated MLP after
 each mixer, multi-head attention in place of some mixers, LayerNorm instead of RMSNorm. Built on
-mamba_minimal.py's Block and backbone, which know nothing of them: HybridMamba is the backbone
+mamba_minimal.py's Block and backbone, which import nothing of this file: HybridMamba is the backbone
 whose make_block and make_norm read four config fields, d_intermediate, attn_layer_idx, attn_cfg
 and rms_norm. It imports torch and mamba_minimal.py (with pscan.py under it) only.
 
