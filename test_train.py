@@ -835,7 +835,7 @@ def test_gpt_defaults_are_nanogpts_readme_cpu_run_at_the_swept_shape():
     nanogpt = dict(block_size=64, batch_size=12, lr=1e-3, min_lr=1e-4,
                    beta2=0.99, weight_decay=0.1, warmup_iters=100, grad_clip=1.0, eval_iters=20)
     assert {k: getattr(args, k) for k in nanogpt} == nanogpt
-    assert (args.n_layer, args.n_head, args.d_model) == (2, 6, 192)  # bench.py sweep's winner at 300 s
+    assert (args.n_layer, args.n_head, args.d_model) == (2, 6, 192)  # python -m bench sweep's winner at 300 s
     assert (args.max_time, args.max_iters) == (300.0, None)  # the same budget as every model, schedule fitted
     readme = defaults_for(["--arch", "gpt", "--n-layer", "4", "--n-head", "4", "--d-model", "128",
                            "--max-iters", "2000"])  # nanoGPT's README run itself
@@ -1156,7 +1156,7 @@ def test_a_mamba3_checkpoint_saved_before_the_heavy_tail_A_samples_with_softplus
 
 
 def test_mamba3_defaults_and_its_flags():
-    args = defaults_for(["--arch", "mamba3"])  # the CPU default chosen with python bench.py mamba3
+    args = defaults_for(["--arch", "mamba3"])  # the CPU default chosen with python -m bench mamba3
     assert (args.d_state, args.headdim, args.mimo_rank, args.max_time) == (32, 64, None, 300.0)
     for argv, match in [(["--arch", "mamba2", "--mimo-rank", "2"], "--mimo-rank does not apply to --arch mamba2"),
                         (["--arch", "mamba3", "--compile"], "--compile does not apply to --arch mamba3"),

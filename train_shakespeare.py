@@ -6,11 +6,10 @@ train_shakespeare.py: train a character-level model on Tiny Shakespeare, then sa
     python train_shakespeare.py --sample --prompt "ROMEO:"       # generate from out/best.pt
     torchrun --nproc_per_node=2 train_shakespeare.py             # data parallel (gloo on CPU, nccl on CUDA)
 
-It reads as nanoGPT's train.py does: settings, data, model, the training loop, evaluation, sampling.
-After main() comes the plumbing that makes a run safe to interrupt and resume: the checks of the
-flags and of checkpoints, exact resumption, the device and its precision, torchrun's processes.
-A run is time-based (--max-time, the CPU default: the learning rate, the evaluations and the stop
-follow the share of the budget spent) or iteration-based (--max-iters, the CUDA default).
+It reads as nanoGPT's train.py does: settings, data, model, the training loop, evaluation, sampling;
+after main(), the plumbing that makes a run safe to interrupt and resume. A run is time-based (--max-time,
+the CPU default: the learning rate, the evaluations and the stop follow the share of the budget spent) or
+iteration-based (--max-iters, the CUDA default).
 """
 
 import argparse
@@ -32,10 +31,9 @@ from mamba_minimal import MambaConfig, MambaLM
 
 # ------------------------------------------------------------------------------------------------
 # Settings: defaults per device and architecture; every one has a flag (--d-model sets d_model)
-# ------------------------------------------------------------------------------------------------
 
 DEFAULTS = {
-    # 0.83M parameters, 5 minutes: what won `python bench.py sweep` at that budget, as the GPT's below
+    # 0.83M parameters, 5 minutes: what won `python -m bench sweep` at that budget, as the GPT's below
     "cpu": dict(d_model=160, n_layer=5, d_state=2, block_size=64, batch_size=12, lr=6e-3, beta2=0.95,
                 warmup_iters=50, eval_interval=100, eval_iters=20, scan_backend="auto", max_time=300.0,
                 num_evals=10),
@@ -48,14 +46,13 @@ DEFAULTS = {
 # What each other architecture changes in DEFAULTS, per device
 ARCH_DEFAULTS = {
     "mamba": {},
-    # Mamba-2: a larger state is cheap (the scan runs as matmuls); python bench.py mamba2_train
+    # Mamba-2: a larger state is cheap (the scan runs as matmuls); python -m bench mamba2_train
     "mamba2": {"cpu": dict(d_model=128, n_layer=7, d_state=64, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # Mamba-3 at d_state 32: a CPU step costs about 1.04x Mamba-2's at 64 (python bench.py mamba3)
+    # Mamba-3 at d_state 32: a CPU step costs about 1.04x Mamba-2's at 64 (python -m bench mamba3)
     "mamba3": {"cpu": dict(d_model=128, n_layer=7, d_state=32, headdim=64), "cuda": dict(d_state=64, headdim=64)},
-    # The yardstick (gpt_minimal.py), within 10% of Mamba's parameters: nanoGPT's Shakespeare settings
-    # (config/train_shakespeare_char.py) without dropout. On a CPU 2 x 192 (0.91M), the shape that won
-    # the sweep at 300 s; on a GPU the baby GPT's 6 layers and 6 heads at width 288 (6.07M), since its
-    # width 384 has 10.75M (--d-model 384 trains nanoGPT's baby GPT itself)
+    # The yardstick (gpt_minimal.py), within 10% of Mamba's parameters: nanoGPT's Shakespeare settings (config/
+    # train_shakespeare_char.py) without dropout. On a CPU 2 x 192 (0.91M), the shape that won the sweep at 300 s;
+    # on a GPU the baby GPT's 6 layers and 6 heads at width 288 (6.07M): its width 384 (--d-model 384) has 10.75M
     "gpt": {"cpu": dict(d_model=192, n_layer=2, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
                         d_state=None, scan_backend=None),
             "cuda": dict(d_model=288, n_layer=6, n_head=6, lr=1e-3, min_lr=1e-4, beta2=0.99, warmup_iters=100,
@@ -64,14 +61,15 @@ ARCH_DEFAULTS = {
 # The same on every device, for every architecture
 COMMON = dict(seed=1337, weight_decay=0.1, grad_clip=1.0, log_interval=10, patience=0, eval_share=0.1,
               temperature=0.8, num_chars=500)
-DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
 
 
 def parse_args(argv=None):
-    """The command line (build_parser, in the plumbing): None for each flag left out."""
+    """The flags, None where left out; args.given names those given (--resume takes the rest from last.pt)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.given = flags_given(parser, argv, args)  # --resume takes every other flag from last.pt
+    unset = object()  # argparse fills in a default only where the namespace lacks the attribute
+    seen = parser.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
+    args.given = sorted(k for k, v in vars(seen).items() if v is not unset)
     return args
 
 
@@ -87,19 +85,14 @@ def fill_defaults(args, device):
             setattr(args, key, value)
     if args.max_time is not None:
         args.max_iters = None  # a time-based run: the budget alone says when to stop
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.max_iters
-    if args.min_lr is None:
-        args.min_lr = args.lr / 10
-    if args.dtype is None:
-        args.dtype = default_dtype(device, args.arch)
+    args.lr_decay_iters = args.max_iters if args.lr_decay_iters is None else args.lr_decay_iters
+    args.min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
+    args.dtype = args.dtype or default_dtype(device, args.arch)
     check_flags(args)  # a flag that does not apply, or a number out of range, ends the run at once
 
 
 def default_dtype(device, arch):
-    """bf16 on a GPU that computes in it (Ampere and later), fp16 with loss scaling on older ones;
-    on a CPU with bf16 instructions bf16 for Mamba and for the GPT it is raced against (like with
-    like), fp32 for the rest and on CPUs without them (there bf16 only converts to fp32 and back)."""
+    """bf16 where the GPU or CPU computes in it (on a CPU for Mamba and the GPT it races), else fp16 or fp32."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if device.type == "cpu" and arch in ("mamba", "gpt") and cpu_computes_in_bf16() else "fp32"
@@ -108,10 +101,10 @@ def default_dtype(device, arch):
 def cpu_computes_in_bf16():
     """Whether the CPU has AVX-512-BF16 or AMX-BF16. MAMBA_CPU_BF16=0 says no, =1 yes, whatever the CPU."""
     forced = os.environ.get("MAMBA_CPU_BF16")
-    if forced is not None:
-        if forced not in ("0", "1"):
-            sys.exit(f"error: MAMBA_CPU_BF16 must be 0 or 1, got {forced!r}")
+    if forced in ("0", "1"):
         return forced == "1"
+    if forced is not None:
+        sys.exit(f"error: MAMBA_CPU_BF16 must be 0 or 1, got {forced!r}")
     capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch 2.9 and later
     if capabilities is not None:
         found = capabilities()
@@ -122,8 +115,45 @@ def cpu_computes_in_bf16():
 
 # ------------------------------------------------------------------------------------------------
 # Data: characters to ids, 90% to train on, 10% to validate on
-# ------------------------------------------------------------------------------------------------
 RANK, WORLD = 0, 1  # this process, of how many (torchrun sets them at the start)
+DEFAULT_DATA = os.path.join("data", "tinyshakespeare.txt")
+DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+def read_text(path):
+    """The training text: the file at path, or Tiny Shakespeare (downloaded on first use) for None."""
+    if path is None:
+        path = DEFAULT_DATA
+        missing = not os.path.exists(path)
+        if missing and RANK == 0:
+            print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            try:
+                with urllib.request.urlopen(DATA_URL, timeout=30) as r:
+                    data = r.read()
+            except OSError as err:  # no network: data/ is git-ignored, so a copied checkout lacks the file
+                sys.exit(f"error: could not download {DATA_URL} ({err}).\nWithout a network, copy Tiny Shakespeare "
+                         f"(or any UTF-8 text) to {os.path.abspath(path)}, or pass --data PATH.")
+            with open(path + ".part", "wb") as f:
+                f.write(data)
+            os.replace(path + ".part", path)
+        if missing and WORLD > 1:
+            dist.barrier()  # the other processes wait for the file
+    if os.path.isdir(path):
+        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
+    if not os.path.isfile(path):
+        sys.exit(f"error: data file {path} does not exist")
+    with open(path, "rb") as f:
+        raw = f.read()
+    if not raw:
+        sys.exit(f"error: data file {path} is empty")
+    if b"\0" in raw:
+        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
 
 
 def load_data(args):
@@ -140,8 +170,7 @@ def load_data(args):
 
 
 def get_batch(split, step, args, device):
-    """Random windows, a function of (seed, rank, step) alone: a resumed run sees the batches the
-    uninterrupted run would have seen."""
+    """Random windows, a function of (seed, rank, step) alone: a resumed run sees the same batches."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + RANK * 10_007 + step)
     ix = torch.randint(len(split) - args.block_size, (args.batch_size,), generator=g)
     return windows(split, ix, args.block_size, device)
@@ -159,7 +188,6 @@ def windows(split, starts, block_size, device):
 # ------------------------------------------------------------------------------------------------
 # Model: Mamba (mamba_minimal.py), Mamba-2, Mamba-3, the GPT yardstick (gpt_minimal.py). A checkpoint
 # holds the architecture's fields; how the model runs (the engine, compiling) may change on resume.
-# ------------------------------------------------------------------------------------------------
 
 def model_kwargs(args, vocab_size):
     """The architecture's config fields, e.g. MambaConfig(**model_kwargs(args, 65))."""
@@ -195,9 +223,7 @@ def build_model(arch, config, options=None):
 
 
 def run_as(model, arch, options):
-    """Mamba opts in to mamba_engine.py (the trainer's default: its step is 1.3-1.4x as fast as the
-    lesson's code): the selective scan's hand-written backward, or with compile=True the fused path
-    through torch.compile. Mamba-2 compiles its mixers with compile=True. Returns the model."""
+    """Mamba opts in to mamba_engine.py (a step 1.3-1.4x the lesson's speed); compile: Mamba-2's mixers too."""
     if arch == "mamba":
         return mamba_engine.accelerate(model, **options)
     if arch == "mamba2":
@@ -205,15 +231,41 @@ def run_as(model, arch, options):
     return model
 
 
+def arch_classes(arch):
+    """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
+    if arch == "mamba":
+        return MambaConfig, MambaLM
+    try:
+        if arch == "mamba2":
+            from mamba2_minimal import Mamba2Config, Mamba2LM
+            return Mamba2Config, Mamba2LM
+        if arch == "mamba3":
+            from mamba3_minimal import Mamba3Config, Mamba3LM
+            return Mamba3Config, Mamba3LM
+        from gpt_minimal import GPTConfig, TinyGPT
+        return GPTConfig, TinyGPT
+    except ImportError as err:
+        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
+
+
+# How a model runs, not what it is: never part of a checkpoint's config. Older checkpoints hold these
+# in Mamba's config, with the plain values of hybrid.py's fields: both are dropped on loading.
+RUN_FIELDS = ("scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer")
+PLAIN_FIELDS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_norm=True, selection_off=False)
+
+
+def config_fields(config, arch):
+    """A checkpoint's config as the config class takes it."""
+    known = {f.name for f in fields(arch_classes(arch)[0])}
+    run = RUN_FIELDS if arch == "mamba" else ("compile_mixer",)
+    return {k: v for k, v in config.items() if k not in run and (k in known or PLAIN_FIELDS.get(k, ...) != v)}
+
+
 # ------------------------------------------------------------------------------------------------
 # The training loop
-# ------------------------------------------------------------------------------------------------
 
 def lr_at(args, step, elapsed, decay_start=-1.0, decay_lr=0.0):
-    """The learning rate of the next step: nanoGPT's get_lr, a cosine from --lr to --min-lr over the
-    steps from --warmup-iters to --lr-decay-iters, or in a time-based run over the seconds of
-    --max-time. Both warm up linearly over --warmup-iters steps (however long a compiling first step
-    takes). A resumed run whose budget changed goes on from decay_lr at decay_start (steps or seconds)."""
+    """nanoGPT's get_lr: warmup, then a cosine to --min-lr over the steps or seconds of the budget."""
     warm = min(1.0, (step + 1) / args.warmup_iters) if args.warmup_iters else 1.0
     if args.max_time is None:
         if step < args.warmup_iters:
@@ -221,9 +273,7 @@ def lr_at(args, step, elapsed, decay_start=-1.0, decay_lr=0.0):
         at, start, end = step, args.warmup_iters, args.lr_decay_iters
     else:
         at, start, end = elapsed, 0.0, args.max_time
-    top = args.lr
-    if decay_start >= 0:
-        start, top = decay_start, decay_lr
+    start, top = (decay_start, decay_lr) if decay_start >= 0 else (start, args.lr)
     if at >= end:
         return args.min_lr * warm
     ratio = (at - start) / (end - start)  # 0 -> 1 over the decay
@@ -238,14 +288,11 @@ def loss_fn(model, x, y, vocab_size, autocast):
 
 
 def train_step(model, optimizer, x, y, vocab_size, args, autocast, scaler=None):
-    """One step of AdamW on the batch (x, y); returns the loss (a tensor: reading it waits).
-    scaler: --dtype fp16's GradScaler (see precision), or None."""
+    """One AdamW step on (x, y), through fp16's GradScaler if given; the loss, unread (reading waits)."""
     loss = loss_fn(model, x, y, vocab_size, autocast)
     optimizer.zero_grad(set_to_none=True)
-    if scaler is None:
-        loss.backward()
-    else:
-        scaler.scale(loss).backward()
+    (loss if scaler is None else scaler.scale(loss)).backward()
+    if scaler is not None:
         scaler.unscale_(optimizer)  # the true gradients, for clipping
     if args.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -291,7 +338,7 @@ class Run:
                                            betas=(0.9, args.beta2), fused=device.type in ("cpu", "cuda"))
         self.autocast, self.scaler = precision(device, args.dtype)  # --dtype's autocast; fp16's GradScaler
         self.p = Progress()
-        self.paths = {name: os.path.join(args.out_dir, name) for name in ("last.pt", "best.pt", "log.jsonl")}
+        self.paths = {name: os.path.join(args.out_dir, name) for name in RUN_FILES}
         if ckpt is not None:
             resume(self, ckpt)  # model, optimizer, random state and progress of last.pt
         n_params = sum(p.numel() for p in self.raw_model.parameters())
@@ -310,9 +357,13 @@ def train(run):
     t_start, elapsed_before, step_at_start = clock(), p.elapsed, p.step
     last_line = (p.step, p.elapsed - p.eval_time)  # (step, seconds of training) at the last log line
 
-    def elapsed_now():  # a time-based run under torchrun: process 0's clock, so that all decide alike
+    def elapsed_now():  # a time-based run under torchrun: process 0's clock (processes deciding apart hang)
         elapsed = elapsed_before + clock() - t_start
-        return elapsed if args.max_time is None else rank0_value(elapsed, run.device)
+        if args.max_time is None or WORLD == 1:
+            return elapsed
+        elapsed = torch.tensor([elapsed], dtype=torch.float64, device=run.device)
+        dist.broadcast(elapsed, src=0)
+        return elapsed.item()
 
     if args.compile or args.compile_model:
         compile_now(run)  # or, where no compiler works, go on eagerly
@@ -326,10 +377,23 @@ def train(run):
         p.tokens += tokens_per_step
         p.elapsed = elapsed_now()  # the only clock reading of a step
         first_step = p.step == step_at_start + 1  # holds start-up costs and any compiling: no rate from it
-        if p.step % args.log_interval == 0 or first_step:
+        if p.step % args.log_interval == 0 or first_step:  # reading the loss waits for the step
             dt = (p.elapsed - p.eval_time - last_line[1]) / (p.step - last_line[0])  # training only
             last_line = (p.step, p.elapsed - p.eval_time)
-            log_progress(args, p, loss, lr, dt, tokens_per_step / dt, first_step)
+            loss_value = loss.detach().float().clone()  # averaged over the processes, each saw its own batch
+            if WORLD > 1:
+                dist.all_reduce(loss_value)
+            loss_value = (loss_value / WORLD).item()
+            if not math.isfinite(loss_value):
+                sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
+                         f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
+            if args.max_time is None:
+                where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
+            else:
+                where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
+            speed = (f"first step {dt:.1f}s" if first_step else
+                     f"{tokens_per_step / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
+            log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
         if evaluation_due(args, p):
             before = p.elapsed
             losses = evaluate(run)
@@ -340,30 +404,11 @@ def train(run):
             record(run, took, **losses)
 
 
-def log_progress(args, p, loss, lr, dt, tokens_per_s, first_step):
-    """One line of the log; reading the loss waits for the step, so only every few steps."""
-    loss_value = mean_over_processes(loss)
-    if not math.isfinite(loss_value):
-        sys.exit(f"error: the training loss is {loss_value} at step {p.step}: the run diverged; "
-                 f"try a lower --lr (now {args.lr:g}) or a --grad-clip")
-    if args.max_time is None:
-        where, left = f"step {p.step}/{args.max_iters}", dt * (args.max_iters - p.step)
-    else:
-        where, left = f"step {p.step} ({p.elapsed / args.max_time:.0%})", args.max_time - p.elapsed
-    speed = (f"first step {dt:.1f}s" if first_step else
-             f"{tokens_per_s:,.0f} tok/s | {dt * 1e3:.0f} ms/it | eta {left:.0f}s")
-    log(f"{where} | loss {loss_value:.4f} | lr {lr:.2e} | {speed} | elapsed {p.elapsed:.0f}s")
-
-
 # ------------------------------------------------------------------------------------------------
 # Evaluation
-# ------------------------------------------------------------------------------------------------
 
 def evaluation_due(args, p):
-    """Iteration-based: every --eval-interval steps and at the end. Time-based: at the end of the
-    budget, and at the --num-evals equal fractions of it where evaluating stays within --eval-share
-    of the time spent, counting this evaluation and the one at the end at the cost of the cheapest so
-    far (before the first one, --eval-iters training steps: 2 x eval-iters forwards of half a step)."""
+    """Every --eval-interval steps, or at --num-evals fractions of --max-time if within --eval-share; the end."""
     if args.max_time is None:
         return p.step % args.eval_interval == 0 or p.step == args.max_iters
     if p.elapsed >= args.max_time:
@@ -374,6 +419,7 @@ def evaluation_due(args, p):
     p.evals_done = points  # once, if one long step passes several points
     if args.eval_share >= 1:
         return True
+    # this evaluation and the one at the end, at the cheapest one's cost (before it, --eval-iters steps)
     cost = p.eval_cost or args.eval_iters * (p.elapsed - p.eval_time) / p.step
     return p.eval_time + 2 * cost <= args.eval_share * p.elapsed
 
@@ -395,8 +441,7 @@ def mean_loss(model, split, starts, vocab_size, args, device, autocast):
 
 
 def evaluate(run):
-    args = run.args
-    return {name: mean_loss(run.model, split, starts, run.vocab_size, args, run.device, run.autocast)
+    return {name: mean_loss(run.model, split, starts, run.vocab_size, run.args, run.device, run.autocast)
             for name, split, starts in (("train_loss", run.train_data, run.train_starts),
                                         ("val_loss", run.val_data, run.val_starts))}
 
@@ -424,10 +469,13 @@ def record(run, took, train_loss, val_loss):
 
 def finish(run):
     """The best checkpoint's loss on the whole val split, and a sample from it."""
-    args, p = run.args, run.p
+    args, p, paths = run.args, run.p, run.paths
     if WORLD > 1:
         dist.barrier()  # rank 0 has written best.pt
-    best = load_best(run)
+    if not os.path.exists(paths["best.pt"]):  # deleted by hand after the last evaluation
+        sys.exit(f"error: {paths['best.pt']} is missing, so the run has no best model to evaluate and "
+                 f"sample (its last model is in {paths['last.pt']}: --sample --checkpoint {paths['last.pt']})")
+    best = load_checkpoint(paths["best.pt"])
     # a model of its own, not compiled: the split's last batch may be a single window, which would
     # compile again (torch specializes a batch of 1)
     model = build_model(args.arch, best["config"], {**run_options(args), "compile": False}).to(run.device)
@@ -450,15 +498,22 @@ def finish(run):
 
 # ------------------------------------------------------------------------------------------------
 # Sampling
-# ------------------------------------------------------------------------------------------------
+
+def checked_prompt(prompt, chars):
+    """The prompt, by default a newline (or the text's first character); unknown characters: ValueError."""
+    if not prompt:
+        prompt = "\n" if "\n" in chars else chars[0]
+    unknown = sorted(set(prompt) - set(chars))
+    if unknown:
+        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
+    return prompt
+
 
 def sample(model, chars, prompt, num_chars, temperature, top_k, device, out=None):
-    """Stream num_chars characters after the prompt: one recurrent step per character for Mamba
-    (O(1) each), a forward over the last block for the GPT (no KV cache)."""
+    """Stream num_chars characters after the prompt (Mamba: one O(1) recurrent step each)."""
     out = out or sys.stdout
-    stoi = {c: i for i, c in enumerate(chars)}
     prompt = checked_prompt(prompt, chars)
-    ids = torch.tensor([[stoi[c] for c in prompt]], device=device)
+    ids = torch.tensor([[chars.index(c) for c in prompt]], device=device)
     out.write(prompt)
     for token in model.generate_stream(ids, num_chars, temperature=temperature, top_k=top_k):
         out.write(chars[token.item()])
@@ -483,10 +538,8 @@ def load_for_sampling(args, device):
     except (RuntimeError, TypeError, AttributeError) as err:
         sys.exit(f"error: {path}'s weights do not match its own config (a damaged or hand-made checkpoint): "
                  f"{first_line(err)}")
-    n_params = sum(p.numel() for p in model.parameters())
-    step = ckpt.get("step", "?")
-    print(f"sampling {path}: {arch}, {n_params / 1e6:.2f}M parameters, step {step}, val {ckpt.get('best_val', math.nan):.4f}",
-          file=sys.stderr, flush=True)
+    print(f"sampling {path}: {arch}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, step "
+          f"{ckpt.get('step', '?')}, val {ckpt.get('best_val', math.nan):.4f}", file=sys.stderr, flush=True)
     return model.to(device).eval(), ckpt
 
 
@@ -505,122 +558,37 @@ def main(argv=None):
         run = Run(args, device, ddp, ckpt)
         train(run)
         finish(run)
-        del run  # and with it DDP's hold on the process group (see end_processes)
-    if ddp:
-        end_processes()
+        del run  # and with it DDP's hold on the process group, which would outlive destroy_process_group
+    if ddp:  # a last barrier, then a teardown that cannot hang: gloo's worker, last to let go of the barrier,
+        barrier = dist.barrier(async_op=True)  # would wait for the GIL this thread holds in the group's
+        barrier.wait()  # destructor (pytorch/pytorch#56297); tearing gloo down while a peer is busy can abort it
+        dist.destroy_process_group()  # the group's last reference: its destructor ends gloo's threads
+        del barrier
 
 
 # ================================================================================================
-# Plumbing: reading the text, the command line and its checks, the device and precision, compiling,
-# the log, atomic checkpoints, exact resumption, and torchrun's processes.
-# ================================================================================================
-
-DATA_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-
-
-def read_text(path):
-    """The training text: the file at path, or Tiny Shakespeare (downloaded on first use) for None."""
-    if path is None:
-        path = DEFAULT_DATA
-        if not os.path.exists(path):
-            download_shakespeare(path)
-    if os.path.isdir(path):
-        sys.exit(f"error: --data {path} is a directory; expected a UTF-8 text file")
-    if not os.path.isfile(path):
-        sys.exit(f"error: data file {path} does not exist")
-    with open(path, "rb") as f:
-        raw = f.read()
-    if not raw:
-        sys.exit(f"error: data file {path} is empty")
-    if b"\0" in raw:
-        sys.exit(f"error: data file {path} holds NUL bytes: a binary file, expected UTF-8 text")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        sys.exit(f"error: data file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
-                 f"{err.start}); convert it, e.g. with iconv -t UTF-8")
-
-
-def download_shakespeare(path):
-    if RANK == 0:
-        print(f"downloading Tiny Shakespeare to {path} ...", flush=True)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            with urllib.request.urlopen(DATA_URL, timeout=30) as r:
-                data = r.read()
-        except OSError as err:  # no network: data/ is git-ignored, so a copied checkout lacks the file
-            sys.exit(f"error: could not download {DATA_URL} ({err}).\nWithout a network, copy Tiny Shakespeare "
-                     f"(or any UTF-8 text) to {os.path.abspath(path)}, or pass --data PATH.")
-        tmp = path + ".part"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    if WORLD > 1:
-        dist.barrier()  # the other processes wait for the file
-
-
-def arch_classes(arch):
-    """(config class, model class). Mamba-2, Mamba-3 and the GPT are imported only when asked for."""
-    if arch == "mamba":
-        return MambaConfig, MambaLM
-    try:
-        if arch == "mamba2":
-            from mamba2_minimal import Mamba2Config, Mamba2LM
-            return Mamba2Config, Mamba2LM
-        if arch == "mamba3":
-            from mamba3_minimal import Mamba3Config, Mamba3LM
-            return Mamba3Config, Mamba3LM
-        from gpt_minimal import GPTConfig, TinyGPT
-        return GPTConfig, TinyGPT
-    except ImportError as err:
-        sys.exit(f"error: --arch {arch} needs {err.name}.py next to this script ({err})")
-
-
-# How a model runs, not what it is: never part of a checkpoint's config. The trainer saved these in
-# Mamba's config before mamba_engine.py had them, with the plain values of the hybrid fields that
-# hybrid.py has now: both are dropped on loading, so those checkpoints load and resume.
-RUN_FIELDS = ("scan_backend", "compile_scan", "chunk_size", "recompute", "compile_mixer")
-PLAIN_FIELDS = dict(d_intermediate=0, attn_layer_idx=[], attn_cfg={}, rms_norm=True, selection_off=False)
-
-
-def config_fields(config, arch):
-    """A checkpoint's config as the config class takes it."""
-    known = {f.name for f in fields(arch_classes(arch)[0])}
-    run = RUN_FIELDS if arch == "mamba" else ("compile_mixer",)
-    return {k: v for k, v in config.items() if k not in run and (k in known or PLAIN_FIELDS.get(k, ...) != v)}
-
-
-def same_model(a, b, arch):
-    """Whether two configs build the same model (Mamba-2's chunk_size and scan_backend only say how)."""
-    def identity(config):
-        return {k: v for k, v in config_fields(config, arch).items() if k not in ("chunk_size", "scan_backend")}
-    return identity(a) == identity(b)
-
+# Plumbing: the command line and its checks, the device and precision, compiling, the log, atomic
+# checkpoints, exact resumption, and torchrun's processes.
 
 def build_parser():
-    """The command line's flags, one per setting (--d-model sets d_model), and their help texts."""
+    """The command line's flags, one per setting (--d-model sets d_model)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", help=f"a UTF-8 text file (default {DEFAULT_DATA}, downloaded if missing)")
     p.add_argument("--out-dir", default="out", help="where checkpoints and log.jsonl go")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:1, mps")
     p.add_argument("--seed", type=int)
     m = p.add_argument_group("model (defaults depend on the device and the architecture)")
-    m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"], help="mamba (default), mamba2, mamba3, "
-                   "or gpt (the yardstick, within 10%% of Mamba's parameters); --resume and --sample read it "
-                   "from the checkpoint")
+    m.add_argument("--arch", choices=["mamba", "mamba2", "mamba3", "gpt"], help="gpt: the yardstick, Mamba's size")
     m.add_argument("--d-model", type=int)
     m.add_argument("--n-layer", type=int)
     m.add_argument("--d-state", type=int, help="mamba, mamba2, mamba3: the SSM state size N")
     m.add_argument("--headdim", type=int, help="mamba2, mamba3: channels per head")
     m.add_argument("--mimo-rank", type=int, help="mamba3: MIMO of this rank R (default: SISO)")
     m.add_argument("--n-head", type=int, help="gpt: attention heads")
-    m.add_argument("--scan-backend", choices=SCAN_BACKENDS, help="mamba: how the selective scan runs "
-                   "(mamba_engine.accelerate's backend; reference: the lesson's code as written)")
-    m.add_argument("--compile", action="store_true", help="mamba: the scan's fused path, compiled (it pays at "
-                   "--d-state 16, not at the CPU default's 2); mamba2: torch.compile each mixer")
+    m.add_argument("--scan-backend", choices=SCAN_BACKENDS, help="mamba: mamba_engine.accelerate's backend")
+    m.add_argument("--compile", action="store_true", help="mamba: the scan's fused path, compiled; mamba2: each mixer")
     m.add_argument("--chunk-size", type=int, help="mamba, fused path: steps per chunk (default 16)")
-    m.add_argument("--no-recompute", dest="recompute", action="store_false", help="mamba, fused path: plain "
-                   "autograd, not the recomputing backward (more memory)")
+    m.add_argument("--no-recompute", dest="recompute", action="store_false", help="mamba, fused path: plain autograd")
     m.add_argument("--compile-model", action="store_true", help="torch.compile the whole model")
     t = p.add_argument_group("training (defaults depend on the device)")
     t.add_argument("--block-size", type=int)
@@ -634,24 +602,15 @@ def build_parser():
     t.add_argument("--beta2", type=float, help="AdamW's second-moment decay")
     t.add_argument("--weight-decay", type=float)
     t.add_argument("--grad-clip", type=float)
-    t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations (the CUDA "
-                   "default's evaluations cost at most about 8%% of the steps)")
+    t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations")
     t.add_argument("--num-evals", type=int, help="time-based: evaluation points, at equal fractions of the budget")
-    t.add_argument("--eval-share", type=float, help="time-based: the share of the time spent that evaluating may "
-                   "take (default 0.1; 1: every point). A point is skipped unless the evaluations so far, this one and the one "
-                   "at the end of the budget fit in it, each at the cheapest one's cost (before the first one, "
-                   "--eval-iters training steps). The log's ms/it and tok/s count training only")
+    t.add_argument("--eval-share", type=float, help="time-based: the share of the time evaluating may take (1: all)")
     t.add_argument("--eval-iters", type=int, help="batches of fixed train and val windows per evaluation")
     t.add_argument("--log-interval", type=int)
     t.add_argument("--patience", type=int, help="stop after this many evals without improvement (0: never)")
-    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="the precision of the matmuls, through "
-                   "torch.autocast; the weights, the optimizer and the SSM state stay fp32. Default: bf16 on a "
-                   "GPU that computes in it, else fp16 with loss scaling; on a CPU with AVX-512-BF16 or AMX-BF16 "
-                   "bf16 for mamba and gpt (MAMBA_CPU_BF16=0 or 1 overrides the detection), else fp32")
-    t.add_argument("--resume", action="store_true", help="continue <out-dir>/last.pt with its flags (one given "
-                   "again applies; a larger budget continues the learning rate from its last value)")
-    t.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir (without it, a new "
-                   "run refuses an --out-dir that holds one)")
+    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="autocast's; MAMBA_CPU_BF16=0/1 forces a CPU's")
+    t.add_argument("--resume", action="store_true", help="continue <out-dir>/last.pt (a flag given again applies)")
+    t.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir")
     t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
     s = p.add_argument_group("sampling")
     s.add_argument("--sample", action="store_true", help="only load a checkpoint and generate")
@@ -663,16 +622,7 @@ def build_parser():
     return p
 
 
-def flags_given(parser, argv, args):
-    """The flags the command line gave: a second parse into a namespace of sentinels tells them
-    apart, since argparse fills in a default only where the namespace lacks the attribute."""
-    unset = object()
-    seen = parser.parse_args(argv, argparse.Namespace(**{k: unset for k in vars(args)}))
-    return sorted(k for k, v in vars(seen).items() if v is not unset)
-
-
-def flag(key):
-    """The command-line name of args.key."""
+def flag(key):  # the command-line name of args.key
     return "--no-recompute" if key == "recompute" else "--" + key.replace("_", "-")
 
 
@@ -685,8 +635,7 @@ TIME_FLAGS = ("max_time", "num_evals", "eval_share")
 
 
 def check_flags(args):
-    """Refuse the flags that would be silently ignored: another architecture's, the fused path's
-    without it, those of the other kind of run; and the numbers that would fail minutes later."""
+    """Refuse flags that would be silently ignored, and numbers that would fail minutes later."""
     given = set(args.given)
     if {"max_iters", "max_time"} <= given:
         sys.exit("error: give --max-iters (an iteration-based run) or --max-time (a time-based run), not both")
@@ -705,10 +654,7 @@ def check_flags(args):
     if wrong:
         kind = "a time-based (--max-time)" if args.max_time is not None else "an iteration-based (--max-iters)"
         sys.exit(f"error: {', '.join(flag(k) for k in wrong)} does not apply to {kind} run")
-    check_numbers(args)
 
-
-def check_numbers(args):
     def need(ok, key, what):
         if not ok:
             sys.exit(f"error: {flag(key)} must be {what}, got {getattr(args, key)}")
@@ -746,10 +692,29 @@ def pick_device(name):
     return device
 
 
+def start_processes(args):
+    """(ddp, device): --device's, or under torchrun process k on cuda:k (nccl) or on the CPU (gloo)."""
+    global RANK, WORLD
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return False, pick_device(args.device)
+    if args.device not in ("auto", "cpu", "cuda"):
+        sys.exit(f"error: --device {args.device} under torchrun: each process takes the GPU of its LOCAL_RANK; "
+                 f"give --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs) or --device cpu")
+    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local >= count:
+            sys.exit(f"error: torchrun process {local} needs cuda:{local}, and torch finds {count} cuda "
+                     f"device(s): run at most {count} process(es) per machine, or give --device cpu")
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return True, torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
+
+
 def precision(device, dtype):
-    """(autocast context, GradScaler or None) for --dtype. fp16's range ends at 65504 and small
-    gradients flush to zero in it: the GradScaler multiplies the loss before backward and divides
-    the gradients after it, skipping a step whose gradients overflowed. bf16 has fp32's range."""
+    """(autocast, GradScaler or None) for --dtype: fp16 (range 65504) needs loss scaling, bf16 not."""
     if dtype == "fp32":
         return torch.autocast(device.type, enabled=False), None
     if not torch.amp.is_autocast_available(device.type):
@@ -763,9 +728,7 @@ def precision(device, dtype):
 
 
 def compile_now(run):
-    """torch.compile compiles at a model's first calls: make them before the loop, in one try (a
-    training forward and backward, an evaluation's forward). Where no compiler works (no C++
-    compiler on a CPU, a GPU that Triton does not support): a note, and the run trains eagerly."""
+    """The compiling first calls before the loop; where no compiler works, a note and eager training."""
     args = run.args
     log("compiling before the first step: tens of seconds on a CPU ...")
     x, y = get_batch(run.train_data, run.p.step, args, run.device)
@@ -785,9 +748,7 @@ def compile_now(run):
         run.optimizer.zero_grad(set_to_none=True)
 
 
-def clock():
-    """Seconds on a monotonic clock. The loop reads time only through this function (once per step
-    and once per evaluation), so a test can replace it with a fake clock."""
+def clock():  # the loop reads time only here (once per step and per evaluation): a test can fake it
     return time.perf_counter()
 
 
@@ -801,26 +762,13 @@ def first_line(err):
     return text.splitlines()[0] if text else ""
 
 
-def checked_prompt(prompt, chars):
-    """The prompt, or by default a newline (or, in a text without one, its first character). A
-    character outside the vocabulary is a ValueError."""
-    if not prompt:
-        prompt = "\n" if "\n" in chars else chars[0]
-    unknown = sorted(set(prompt) - set(chars))
-    if unknown:
-        raise ValueError(f"the prompt uses characters the model has never seen: {unknown}")
-    return prompt
-
-
 # ------------------------------------------------------------------------------------------------
 # Checkpoints and the log: atomic writes, exact resumption
-# ------------------------------------------------------------------------------------------------
 RUN_FILES = ("last.pt", "best.pt", "log.jsonl")
 
 
 def prepare_out_dir(args):
-    """Fail now, not at the first evaluation, if --out-dir cannot be written. An earlier run there
-    is continued (--resume) or replaced (--overwrite), never deleted unasked."""
+    """Fail now if --out-dir cannot be written; an earlier run there is never deleted unasked."""
     out = args.out_dir
     if os.path.exists(out) and not os.path.isdir(out):
         sys.exit(f"error: --out-dir {out} is a file; expected a directory (it is created if missing)")
@@ -843,8 +791,7 @@ def prepare_out_dir(args):
 
 
 def write_text(path, text, append=False):
-    """Write (through a temporary file, then a rename) or append text; a full or read-only disk is a
-    one-line error."""
+    """Write text atomically (a temporary file, then a rename) or append it; a full disk: one line."""
     tmp = path if append else f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "a" if append else "w", encoding="utf-8") as f:
@@ -858,8 +805,7 @@ def write_text(path, text, append=False):
 
 
 def atomic_save(obj, path):
-    """torch.save to a temporary file, then a rename: an interrupted or failed save leaves the
-    checkpoint saved before at path (a killed save leaves a temporary file, which the next run removes)."""
+    """torch.save to a temporary file, then a rename: a failed save leaves the earlier checkpoint."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save(obj, tmp)
@@ -884,8 +830,7 @@ def append_log(run, **losses):  # one JSON object per line in log.jsonl
 
 
 def load_checkpoint(path):
-    """A checkpoint as plain tensors and Python values. weights_only=True: a .pt file is a pickle,
-    and a full unpickle of a file someone handed you would run whatever code it names."""
+    """A checkpoint, checked; weights_only: a full unpickle would run whatever code the file names."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated zip, a foreign pickle, a directory ...
@@ -917,15 +862,15 @@ def damaged(path, what):
 
 def fits(value, kind):
     """A value read from a checkpoint is of the kind a flag or a counter has (bool is not an int)."""
-    if kind in (bool, int):
-        return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind)
+    return isinstance(value, (int, float) if kind is float else kind) and (kind is bool or not isinstance(value, bool))
+
+
+NOT_RESUMED = ("resume", "overwrite", "given", "out_dir", "device", "sample", "checkpoint", "prompt", "num_chars")
+DERIVED = {"min_lr": "lr", "lr_decay_iters": "max_iters"}  # by default computed from another flag
 
 
 def read_last_checkpoint(args):
-    """--resume: last.pt, read before the defaults are filled in, since its architecture decides them."""
+    """--resume: last.pt and its flags, read before the defaults, since its architecture decides them."""
     path = os.path.join(args.out_dir, "last.pt")
     if not os.path.exists(path):
         sys.exit(f"error: --resume needs {path}, which does not exist")
@@ -934,19 +879,10 @@ def read_last_checkpoint(args):
     if args.arch not in (None, arch):
         sys.exit(f"error: {path} holds a {arch} model, not {args.arch}; drop --arch to resume it")
     args.arch = arch
-    resume_flags(args, ckpt.get("args"), path)
-    return ckpt
-
-
-NOT_RESUMED = ("resume", "overwrite", "given", "out_dir", "device", "sample", "checkpoint", "prompt", "num_chars")
-DERIVED = {"min_lr": "lr", "lr_decay_iters": "max_iters"}  # by default computed from another flag
-
-
-def resume_flags(args, saved, path):
-    """Each flag not given again takes its value from last.pt; each one given again applies, with a note."""
+    saved = ckpt.get("args")  # each flag not given again takes its value from last.pt; one given applies
     if not isinstance(saved, dict):
         log(f"note: {path} does not record its run's flags; the flags given and the defaults apply")
-        return
+        return ckpt
     given = saved.get("given", [])
     if not isinstance(given, (list, tuple)) or not all(isinstance(k, str) for k in given):
         damaged(path, f"its list of given flags is {given!r}")
@@ -975,15 +911,14 @@ def resume_flags(args, saved, path):
             setattr(args, key, value)  # a derived value follows its flag, if that is given again
     if changed:
         log(f"note: resuming with {', '.join(changed)}")
-
-
-NEEDED = ("optimizer", "torch_rng", "step", "best_val", "bad_evals", "elapsed", "tokens", "evals_done")
+    return ckpt
 
 
 def resume(run, ckpt):
     """Continue the run saved in ckpt exactly: model, optimizer, random state, progress, log."""
     path, args = run.paths["last.pt"], run.args
-    missing = [k for k in NEEDED if k not in ckpt]
+    missing = [k for k in ("optimizer", "torch_rng", "step", "best_val", "bad_evals", "elapsed", "tokens",
+                           "evals_done") if k not in ckpt]
     if missing:
         sys.exit(f"error: {path} lacks {missing}, which this trainer saves in every last.pt (a checkpoint of "
                  f"an older version of it, or not a last.pt), so it cannot continue the run exactly; start a "
@@ -991,7 +926,10 @@ def resume(run, ckpt):
     if ckpt["vocab"] != run.chars:
         sys.exit(f"error: {path} was trained on another vocabulary ({len(ckpt['vocab'])} characters, this "
                  f"text has {len(run.chars)}); use the same --data or a new --out-dir")
-    if not same_model(ckpt["config"], vars(run.raw_model.cfg), args.arch):
+
+    def identity(config):  # the fields that make the model (Mamba-2's chunk_size, scan_backend only say how)
+        return {k: v for k, v in config_fields(config, args.arch).items() if k not in ("chunk_size", "scan_backend")}
+    if identity(ckpt["config"]) != identity(vars(run.raw_model.cfg)):
         sys.exit(f"error: {path} holds another model config {ckpt['config']}; resume with the same model "
                  f"flags or use a new --out-dir")
     wrong = [f.name for f in fields(Progress) if f.name in ckpt and not fits(ckpt[f.name], f.type)]
@@ -1003,12 +941,11 @@ def resume(run, ckpt):
     try:
         run.raw_model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
-        for group in run.optimizer.param_groups:  # load_state_dict does not check the moments' shapes,
-            for param in group["params"]:  # and a fused AdamW step would read out of bounds
-                for key, value in run.optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
-                        raise ValueError(f"its {key} has shape {tuple(value.shape)} for a parameter of "
-                                         f"{tuple(param.shape)}")
+        for param, state in run.optimizer.state.items():  # load_state_dict does not check the moments' shapes,
+            for key, value in state.items():  # and a fused AdamW step would read out of bounds
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(f"its {key} has shape {tuple(value.shape)} for a parameter of "
+                                     f"{tuple(param.shape)}")
         if run.scaler is not None and ckpt.get("scaler"):
             run.scaler.load_state_dict(ckpt["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -1018,41 +955,31 @@ def resume(run, ckpt):
     if RANK == 0:
         truncate_log(run.paths["log.jsonl"], p.step)
     log(f"resumed from {path} at step {p.step} (best val {p.best_val:.4f})")
-    continue_schedule(run, ckpt.get("args"))
-    spent = p.step >= args.max_iters if args.max_time is None else p.elapsed >= args.max_time
+    saved = ckpt.get("args")  # a changed budget: the cosine goes on from the run's learning rate, without a jump
+    key = "max_time" if args.max_time is not None else "lr_decay_iters"
+    old = saved.get(key) if isinstance(saved, dict) else None
+    if old is not None and old != getattr(args, key) and not (args.max_time is None and p.step <= args.warmup_iters):
+        before = argparse.Namespace(**{**vars(args), key: old})
+        p.decay_lr = lr_at(before, max(p.step, args.warmup_iters), p.elapsed, p.decay_start, p.decay_lr)
+        p.decay_start = p.elapsed if args.max_time is not None else p.step
+        log(f"note: {flag(key)} {getattr(args, key):g} (was {old:g}): the learning rate goes on from "
+            f"{p.decay_lr:.2e}, its value at {'step ' if args.max_time is None else ''}{p.decay_start:g}"
+            f"{'' if args.max_time is None else 's'}, down to --min-lr {args.min_lr:.2e} at the new end")
     if p.stopped_early:
         log(f"the run stopped early at step {p.step}: nothing left to train (another --out-dir starts a new run)")
-    elif spent:
-        budget = (f"step {p.step} of --max-iters {args.max_iters}" if args.max_time is None
-                  else f"{p.elapsed:.0f}s of --max-time {args.max_time:g}")
-        log(f"the run's budget is spent ({budget}): nothing to train. To train on, resume with a larger "
-            f"{'--max-iters' if args.max_time is None else '--max-time'}: the learning rate goes on from its last value")
+    elif p.step >= args.max_iters if args.max_time is None else p.elapsed >= args.max_time:
+        budget, key = ((f"step {p.step} of --max-iters {args.max_iters}", "--max-iters") if args.max_time is None
+                       else (f"{p.elapsed:.0f}s of --max-time {args.max_time:g}", "--max-time"))
+        log(f"the run's budget is spent ({budget}): nothing to train. To train on, resume with a larger {key}: "
+            f"the learning rate goes on from its last value")
     if not os.path.exists(run.paths["best.pt"]):  # deleted by hand: the next evaluation writes a new one
         log(f"note: {run.paths['best.pt']} is missing; the run goes on with its best val reset to infinity, "
             f"so that its next evaluation writes a new best.pt")
         p.best_val, p.bad_evals = math.inf, 0
 
 
-def continue_schedule(run, saved):
-    """A budget changed on --resume: the cosine goes on from the learning rate where the run stands
-    (not from the rate the new budget would have given there, which jumps)."""
-    args, p = run.args, run.p
-    key = "max_time" if args.max_time is not None else "lr_decay_iters"
-    old = saved.get(key) if isinstance(saved, dict) else None
-    if old is None or old == getattr(args, key) or (args.max_time is None and p.step <= args.warmup_iters):
-        return
-    before = argparse.Namespace(**{**vars(args), key: old})
-    p.decay_lr = lr_at(before, max(p.step, args.warmup_iters), p.elapsed, p.decay_start, p.decay_lr)
-    p.decay_start = p.elapsed if args.max_time is not None else p.step
-    log(f"note: {flag(key)} {getattr(args, key):g} (was {old:g}): the learning rate goes on from {p.decay_lr:.2e}, "
-        f"its value at {'step ' if args.max_time is None else ''}{p.decay_start:g}{'' if args.max_time is None else 's'}, "
-        f"down to --min-lr {args.min_lr:.2e} at the new end")
-
-
 def truncate_log(log_path, step):
-    """On resume: keep the evaluations up to the checkpoint's step. A run killed after writing a
-    row but before saving last.pt would otherwise repeat that row; a finished run's final row
-    (full_val_loss) belongs to an end that the resumed run will reach again."""
+    """Keep the evaluation rows up to the checkpoint's step: the resumed run writes the later ones again."""
     rows = []
     if os.path.exists(log_path):
         with open(log_path, encoding="utf-8", errors="replace") as f:
@@ -1066,70 +993,6 @@ def truncate_log(log_path, step):
                     rows.append(line if line.endswith("\n") else line + "\n")
     write_text(log_path, "".join(rows))
 
-
-def load_best(run):
-    """best.pt at the end of a run: missing only where deleted by hand after the last evaluation."""
-    if not os.path.exists(run.paths["best.pt"]):
-        sys.exit(f"error: {run.paths['best.pt']} is missing, so the run has no best model to evaluate and "
-                 f"sample (its last model is in {run.paths['last.pt']}: --sample --checkpoint {run.paths['last.pt']})")
-    return load_checkpoint(run.paths["best.pt"])
-
-
-# ------------------------------------------------------------------------------------------------
-# Several processes under torchrun
-# ------------------------------------------------------------------------------------------------
-
-def start_processes(args):
-    """(ddp, device): one process on --device's device, or under torchrun one per GPU, process k
-    on cuda:k (LOCAL_RANK), with nccl; or gloo processes on a CPU."""
-    global RANK, WORLD
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return False, pick_device(args.device)
-    if args.device not in ("auto", "cpu", "cuda"):
-        sys.exit(f"error: --device {args.device} under torchrun: each process takes the GPU of its LOCAL_RANK; "
-                 f"give --device cuda (and CUDA_VISIBLE_DEVICES to choose the GPUs) or --device cpu")
-    RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if local >= count:
-            sys.exit(f"error: torchrun process {local} needs cuda:{local}, and torch finds {count} cuda "
-                     f"device(s): run at most {count} process(es) per machine, or give --device cpu")
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    return True, torch.device(f"cuda:{local}") if use_cuda else torch.device("cpu")
-
-
-def end_processes():
-    """A last barrier, then the group torn down in an order that cannot hang: were gloo's worker
-    thread to let go of the barrier last, it would wait for the GIL while this thread, holding it,
-    waits in the group's destructor for that worker (pytorch/pytorch#56297). main has let go of
-    DDP, which would otherwise keep the group alive past destroy_process_group."""
-    barrier = dist.barrier(async_op=True)  # tearing gloo down while a peer is still busy can abort it
-    barrier.wait()
-    dist.destroy_process_group()  # the group's last reference: its destructor ends gloo's threads
-    del barrier
-
-
-def rank0_value(x, device):
-    """The float x as process 0 holds it, in every process (the clocks of processes differ by
-    milliseconds: near an eval point or the end they would decide differently and hang)."""
-    if WORLD == 1:
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.broadcast(t, src=0)
-    return t.item()
-
-
-def mean_over_processes(loss):
-    """The training loss averaged over all processes (each saw its own batch), as a float."""
-    loss = loss.detach().float()
-    if WORLD > 1:
-        loss = loss.clone()
-        dist.all_reduce(loss)
-        loss /= WORLD
-    return loss.item()
 
 
 if __name__ == "__main__":
