@@ -105,9 +105,8 @@ def cpu_computes_in_bf16():
         return forced == "1"
     if forced is not None:
         sys.exit(f"error: MAMBA_CPU_BF16 must be 0 or 1, got {forced!r}")
-    capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch 2.9 and later
-    if capabilities is not None:
-        found = capabilities()
+    if hasattr(torch.cpu, "get_capabilities"):  # torch 2.9 and later
+        found = torch.cpu.get_capabilities()
         return bool(found.get("avx512_bf16") or found.get("amx_bf16"))
     older = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
     return bool(older and older())
@@ -604,11 +603,12 @@ def build_parser():
     t.add_argument("--grad-clip", type=float)
     t.add_argument("--eval-interval", type=int, help="iteration-based: steps between evaluations")
     t.add_argument("--num-evals", type=int, help="time-based: evaluation points, at equal fractions of the budget")
-    t.add_argument("--eval-share", type=float, help="time-based: the share of the time evaluating may take (1: all)")
+    t.add_argument("--eval-share", type=float, help="time-based: the share of time evaluation may take (1: all)")
     t.add_argument("--eval-iters", type=int, help="batches of fixed train and val windows per evaluation")
     t.add_argument("--log-interval", type=int)
     t.add_argument("--patience", type=int, help="stop after this many evals without improvement (0: never)")
-    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="autocast's; MAMBA_CPU_BF16=0/1 forces a CPU's")
+    t.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="the matmuls' (autocast); default bf16 where the "
+                   "device computes in it (MAMBA_CPU_BF16=0/1 overrides a CPU's detection), else fp16 or fp32")
     t.add_argument("--resume", action="store_true", help="continue <out-dir>/last.pt (a flag given again applies)")
     t.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir")
     t.add_argument("--no-sample", action="store_true", help="skip the sample at the end of training")
@@ -762,8 +762,6 @@ def first_line(err):
     return text.splitlines()[0] if text else ""
 
 
-# ------------------------------------------------------------------------------------------------
-# Checkpoints and the log: atomic writes, exact resumption
 RUN_FILES = ("last.pt", "best.pt", "log.jsonl")
 
 
