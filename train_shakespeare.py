@@ -92,7 +92,7 @@ def fill_defaults(args, device):
 
 
 def default_dtype(device, arch):
-    """bf16 where the GPU or CPU computes in it (on a CPU for Mamba and the GPT it races), else fp16 or fp32."""
+    """bf16 where the device computes in it (on a CPU for Mamba and the GPT it races only), else fp16 or fp32."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "bf16" if device.type == "cpu" and arch in ("mamba", "gpt") and cpu_computes_in_bf16() else "fp32"
