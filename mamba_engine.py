@@ -927,6 +927,9 @@ def _check_selective_scan_inputs(x, delta, A, B, C, D, z, h0, backend, compile, 
     for name, t in given.items():
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    elsewhere = [f"{name} on {t.device}" for name, t in given.items() if t.device != x.device]
+    if elsewhere:
+        raise ValueError(f"selective_scan's inputs must all be on x's device, {x.device}; got {', '.join(elsewhere)}")
     computed_in = {name: _at_least_fp32(t).dtype for name, t in given.items()}
     if len(set(computed_in.values())) > 1:  # fp16/bf16 count as fp32: they are computed in fp32
         raise ValueError(f"selective_scan's inputs must be all float64 or all at most float32 (fp16/bf16 "

@@ -806,6 +806,8 @@ class MambaLM(nn.Module):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         _check_sampling(temperature, top_k, top_p)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if max_new_tokens == 0:
             if attention_mask is not None:  # no prefill checks the prompt and its mask
                 _check_ids(input_ids, 2, self.cfg.vocab_size, False)

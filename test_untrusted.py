@@ -489,6 +489,11 @@ def test_the_rooms_refuse_what_is_not_a_model_or_a_tensor_in_one_line():
         (lambda: backbone(torch.zeros(2, 5, 16, dtype=torch.complex64)), "floating-point"),
         (lambda: backbone.step(torch.zeros(2, 16), None), "one entry per layer \\(2\\)"),
         (lambda: backbone.step(torch.zeros(2, 16), []), "one entry per layer \\(2\\)"),
+        (lambda: mamba_engine.selective_scan(torch.zeros(1, 3, 4), torch.ones(1, 3, 4), -torch.ones(4, 2),
+                                             torch.zeros(1, 3, 2, device="meta"), torch.zeros(1, 3, 2)),
+         "inputs must all be on x's device, cpu; got B on meta"),
+        (lambda: mm.MambaLM(mm.MambaConfig()).generate(torch.tensor([[1]]), 2, generator="x"),
+         "generator must be a torch.Generator or None"),
     ]
     for call, message in cases:
         assert re.search(message, one_line_error(call)), message
