@@ -13,6 +13,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -308,3 +309,26 @@ def test_the_lesson_reads_top_to_bottom_without_a_forward_reference():
              for use in ast.walk(node) if isinstance(use, ast.Name) and isinstance(use.ctx, ast.Load)
              and defined.get(use.id, 0) > node.lineno]
     assert not ahead, ahead
+
+
+@pytest.mark.parametrize("generation", [1, 2, 3])
+def test_the_backbone_of_every_generation_maps_vectors_to_vectors_and_steps_as_its_forward(generation):
+    # (b, L, d_model) -> (b, L, d_model) with no embedding, its official init, and an O(1) step: the
+    # step after a forward over the first L - 1 positions gives the forward's last output (float64:
+    # the two orders of the same sums differ by rounding only)
+    import mamba2_minimal as m2
+    import mamba3_minimal as m3
+    cfg, mixer_cls = {
+        1: (mm.MambaConfig(d_model=16, n_layer=2, d_state=4), mm.MambaMixer),
+        2: (m2.Mamba2Config(d_model=32, n_layer=2, vocab_size=11, headdim=16, d_state=8, chunk_size=4), m2.Mamba2Mixer),
+        3: (m3.Mamba3Config(d_model=16, n_layer=2, vocab_size=11, headdim=8, d_state=8, chunk_size=4), m3.Mamba3Mixer),
+    }[generation]
+    backbone = mm.Mamba(cfg, mixer_cls).double()
+    assert not hasattr(backbone, "embedding")
+    x = torch.randn(2, 9, cfg.d_model, dtype=torch.float64)
+    full = backbone(x)
+    assert full.shape == x.shape
+    first, cache = backbone(x[:, :8], want_cache=True)
+    last = backbone.step(x[:, 8], cache)
+    assert (first - full[:, :8]).abs().max() < 1e-12
+    assert (last - full[:, 8]).abs().max() < 1e-12
