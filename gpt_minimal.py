@@ -92,7 +92,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """logits (B, vocab) -> token ids (B,): greedy for temperature 0 or top_k 1, else drawn from the
     softmax of logits / temperature, kept to the top_k tokens and to the smallest set whose
     probabilities reach top_p (as mamba_minimal.sample_next, so that both models sample alike)."""
-    if temperature == 0 or top_k == 1:
+    if temperature < torch.finfo(torch.float32).tiny or top_k == 1:  # 0, or 0 once in fp32: greedy
         return logits.argmax(-1)
     logits = (logits.float() - logits.float().max(-1, keepdim=True).values) / temperature  # the largest at 0
     if top_k is not None:
@@ -102,5 +102,6 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= top_p  # the mass before this token already reaches top_p
+        drop[:, 0] = False  # the likeliest token stays, however small top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)

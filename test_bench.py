@@ -402,7 +402,7 @@ def test_the_gpt_yardstick_samples_as_the_mamba_models_do():
     import mamba_minimal as mm
     logits = torch.randn(4, 40)
     for temperature, top_k, top_p in ((0, None, None), (1.0, 1, None), (1.0, None, None), (0.7, 5, None),
-                                      (1.3, None, 0.8), (0.5, 3, 0.6)):
+                                      (1.3, None, 0.8), (0.5, 3, 0.6), (1e-46, None, None), (1.0, None, 1e-300)):
         ours = gpt_minimal.sample(logits, temperature, top_k, top_p, torch.Generator().manual_seed(1))
         theirs = mm.sample_next(logits, temperature, top_k, top_p, torch.Generator().manual_seed(1))
         assert torch.equal(ours, theirs), (temperature, top_k, top_p)
