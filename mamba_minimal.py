@@ -15,7 +15,7 @@ hand-written backwards, or with compile=True the fused path through torch.compil
     4. The backbone                     residual blocks: (b, L, d_model) -> (b, L, d_model), its init
     5. The language model               MambaLM, weight decay, recurrent inference: prefill, an O(1)
                                         step per token, sampling, generate (MambaLMHeadModel; the official
-                                        Mamba.step is MambaMixer.step here)
+                                        Mamba.step is MambaMixer.step in this file)
 
 Glossary. One name, one meaning; shape comments use these letters.
 
@@ -36,7 +36,7 @@ Glossary. One name, one meaning; shape comments use these letters.
     V        padded_vocab_size, the vocabulary padded (65 -> 72)
 
 Two names differ from the official code's: its `Mamba` module (the paper's block) is MambaMixer
-here, and Mamba here is the backbone, the official MixerModel without its embedding.
+in this file, and Mamba is the backbone, the official MixerModel without its embedding.
 
 Other files build on this one and this one imports none of them: mamba_engine.py (speed),
 pretrained.py (checkpoints), hybrid.py (attention and MLP layers), mamba2_minimal.py and
