@@ -9,6 +9,7 @@ Mamba3Config.rotations_off, against what they claim: an LTI layer that is one fi
 """
 
 import errno
+import json
 import os
 
 import pytest
@@ -105,8 +106,8 @@ def test_mqar_answers_are_the_values_paired_with_the_asked_keys():
 
 def test_mqar_batches_have_distinct_keys_and_consistent_answers():
     g = torch.Generator().manual_seed(0)
-    pairs, q = 20, mqar.QUERIES
-    x, y = mqar.mqar_batch(64, pairs, g)
+    pairs, q = 20, 8
+    x, y = mqar.mqar_batch(64, pairs, g, queries=q)
     keys, values = x[:, 0:2 * pairs:2], x[:, 1:2 * pairs:2]
     assert x.shape == (64, 2 * pairs + q)
     assert all(len(set(row.tolist())) == pairs for row in keys)
@@ -115,8 +116,11 @@ def test_mqar_batches_have_distinct_keys_and_consistent_answers():
         table = dict(zip(keys[row].tolist(), values[row].tolist()))
         assert [table[k] for k in x[row, 2 * pairs:].tolist()] == y[row, 2 * pairs:].tolist()
     assert len(set(x[0, 2 * pairs:].tolist())) == q  # each key asked once
+    x, _ = mqar.mqar_batch(64, pairs, g)  # by default every pair is asked for, each once
+    assert x.shape == (64, 3 * pairs) and all(sorted(row[2 * pairs:].tolist()) == sorted(row[:2 * pairs:2].tolist())
+                                              for row in x)
     with pytest.raises(ValueError, match="pairs"):
-        mqar.mqar_batch(2, q - 1, g)
+        mqar.mqar_batch(2, q - 1, g, queries=q)
 
 
 def test_arithmetic_batches_draw_every_number_and_every_operation():
@@ -142,7 +146,7 @@ def test_mqar_asks_its_keys_in_random_order():
     keys = x[:, 0:2 * pairs:2]  # (64, pairs)
     where = (x[:, 2 * pairs:, None] == keys[:, None, :]).int().argmax(-1)  # (64, queries): each query's pair
     in_order = (where.diff(dim=1) > 0).all(dim=1)  # (64,)
-    assert in_order.sum() < 4  # by chance 1/8! of rows, about 0
+    assert in_order.sum() < 4  # by chance 1/20! of rows, about 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,9 +218,9 @@ def test_a_short_run_of_each_task_scores_at_every_length():
     assert list(scores) == [6, 18] and all(0 <= a <= 1 for a in scores.values())
     scores, _, _ = induction_heads.run_one("gpt", 0, 2, length=6, stretch=(1, 3), **common_args)
     assert scores[18] is None  # the GPT's learned positions stop at the training length
-    scores, _, _ = mqar.run_one("mamba2", 8, 0, 2, pairs=16, stretch=(1, 2), **{k: v for k, v in common_args.items()
-                                                                               if k != "d_state"})
-    assert list(scores) == [16, 32]
+    scores, _, _ = mqar.run_one("mamba2", 8, 0, 2, pairs=8, tested=(4, 8), **{k: v for k, v in common_args.items()
+                                                                              if k != "d_state"})
+    assert list(scores) == [4, 8]
     scores, _, _ = state_tracking.run_one("parity", "mamba3-real", 0, 2, stretch=(1, 2), **common_args)
     assert list(scores) == [32, 64]
 
@@ -229,8 +233,29 @@ def test_main_writes_its_results(tmp_path, monkeypatch, capsys):
                          "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "| Mamba-2 |" in out and (tmp_path / "parity.json").exists()
+    settings = json.loads((tmp_path / "parity.json").read_text())["settings"]
+    assert (settings["steps"], settings["d_model"], settings["n_layer"]) == (1, 32, 2)
     with pytest.raises(SystemExit):
         state_tracking.main(["--models", "mamba4"])
+
+
+def test_each_state_tracking_task_trains_at_its_own_size_unless_told(tmp_path, monkeypatch, capsys):
+    # parity: 2 layers of width 32, 1,500 steps; arithmetic: 4 layers of width 64, 3,000 steps
+    calls, models = [], {}
+
+    def run_one(task, arch, seed, steps, d_model, n_layer):
+        calls.append((task, steps, d_model, n_layer))
+        models.setdefault(task, []).append(arch)
+        return {n: 0.5 for n in (16, 32, 64, 128, 256)}, [(1, 1.0)], 0.0
+
+    monkeypatch.setattr(state_tracking, "run_one", run_one)
+    state_tracking.main(["--seeds", "1", "--out-dir", str(tmp_path)])
+    assert calls == [("parity", 1500, 32, 2)] * 4 + [("arithmetic", 3000, 64, 4)] * 3  # 4 and 3 models
+    assert models == {"parity": ["mamba3", "mamba3-real", "mamba2", "mamba"],
+                      "arithmetic": ["mamba3", "mamba3-real", "mamba2"]}
+    calls.clear()
+    state_tracking.main(["--models", "mamba2", "--seeds", "1", "--steps", "7", "--out-dir", str(tmp_path)])
+    assert [c[1] for c in calls] == [7, 7]
 
 
 @pytest.mark.parametrize("task", [induction_heads, mqar, selective_copying, state_tracking])
@@ -347,9 +372,11 @@ def test_each_architecture_name_builds_its_model():
         for layer in model.backbone.layers:  # each mixer runs mamba_engine.py's scan and conv
             assert isinstance(layer.mixer, SelectionOffMixer) is selection_off
             assert layer.mixer.scan_fn is not MambaMixer.scan_fn and layer.mixer.conv_fn is not MambaMixer.conv_fn
-    for arch, rotations_off in (("mamba3", False), ("mamba3-real", True)):
+    for arch, rotations_off, A in (("mamba3", False, "heavy_tail"), ("mamba3-real", True, "heavy_tail"),
+                                   ("mamba3-march", False, "softplus")):
         model = common.build(arch, 5, **TINY)
         assert isinstance(model, Mamba3LM) and model.cfg.rotations_off is rotations_off
+        assert model.cfg.A_activation == A
 
 
 # ------------------------------------------------------------------------------------------------

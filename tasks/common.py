@@ -49,6 +49,7 @@ ARCHS = {
     "mamba2": "Mamba-2",
     "mamba3": "Mamba-3",
     "mamba3-real": "Mamba-3, rotations off",
+    "mamba3-march": "Mamba-3, the March 2026 release's A",
     "gpt": "GPT (learned positions)",
 }
 
@@ -64,9 +65,10 @@ def build(arch, vocab_size, d_model=32, n_layer=2, d_state=16, max_len=64):
         return mamba_engine.accelerate(MambaLM(MambaConfig(**common, d_state=d_state), mixer_cls))
     if arch == "mamba2":
         return Mamba2LM(Mamba2Config(**common, d_state=d_state, headdim=16, chunk_size=16))
-    if arch in ("mamba3", "mamba3-real"):
+    if arch in ("mamba3", "mamba3-real", "mamba3-march"):
         return Mamba3LM(Mamba3Config(**common, d_state=d_state, headdim=16, chunk_size=16,
-                                     rotations_off=arch == "mamba3-real"))
+                                     rotations_off=arch == "mamba3-real",
+                                     A_activation="softplus" if arch == "mamba3-march" else "heavy_tail"))
     if arch == "gpt":
         return TinyGPT(GPTConfig(vocab_size=vocab_size, d_model=d_model, n_layer=n_layer, n_head=4,
                                  block_size=max_len))
@@ -155,22 +157,25 @@ def last_logits_by_steps(model, x, prefix, vocab_size):
 def arguments(description, models, steps, extra=None, argv=None):
     """The options every task takes; `extra(parser)` adds a task's own."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=",".join(models),
-                   help=f"comma-separated, from {', '.join(ARCHS)} (default: %(default)s)")
+    p.add_argument("--models", default=None if models is None else ",".join(models),
+                   help=f"comma-separated, from {', '.join(ARCHS)} (default: "
+                        + ("each task's own" if models is None else "%(default)s") + ")")
     p.add_argument("--seeds", type=int, default=3, help="runs per model, seeds 0 .. SEEDS-1 (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=steps, help="training steps per run (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=steps,
+                   help="training steps per run (default: " + ("each task's own" if steps is None else "%(default)s") + ")")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--out-dir", default="out/tasks", help="where the results (JSON) and the figure go")
     if extra is not None:
         extra(p)
     args = p.parse_args(argv)
-    args.models = [m for m in args.models.split(",") if m]
-    for m in args.models:
-        if m not in ARCHS:
-            p.error(f"unknown model {m!r}: choose from {', '.join(ARCHS)}")
-    if not args.models or len(set(args.models)) < len(args.models):
-        p.error(f"--models needs one or more different names, got {','.join(args.models)!r}")
-    if args.seeds < 1 or args.steps < 1 or args.threads < 1:
+    if args.models is not None:  # None: each task's own
+        args.models = [m for m in args.models.split(",") if m]
+        for m in args.models:
+            if m not in ARCHS:
+                p.error(f"unknown model {m!r}: choose from {', '.join(ARCHS)}")
+        if not args.models or len(set(args.models)) < len(args.models):
+            p.error(f"--models needs one or more different names, got {','.join(args.models)!r}")
+    if args.seeds < 1 or (args.steps is not None and args.steps < 1) or args.threads < 1:
         p.error("--seeds, --steps and --threads must be positive")
     cores = os.cpu_count() or 1
     if args.threads > 4 * cores:  # torch crashes (SIGSEGV) far above the cores
@@ -238,13 +243,14 @@ def write_file(path, write):
     print(f"wrote {path}")
 
 
-def save_results(args, name, record):
-    """Writes out_dir/name.json: every run's numbers (record), the machine and the settings."""
+def save_results(args, name, record, **settings):
+    """Writes out_dir/name.json: every run's numbers (record), the machine and the settings (the
+    command line's, updated with `settings`)."""
     path = os.path.join(args.out_dir, f"{name}.json")
 
     def write(tmp):
         with open(tmp, "w") as f:
-            json.dump(dict(runs=record, machine=machine(), settings=vars(args)), f, indent=1)
+            json.dump(dict(runs=record, machine=machine(), settings={**vars(args), **settings}), f, indent=1)
 
     write_file(path, write)
     return path
@@ -263,9 +269,11 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, args, name, title):
-    """Titles fig with the task, the run's settings and the machine, and writes out_dir/name.png."""
-    fig.suptitle(f"{title}, 2 layers of width 32, {args.steps} steps, {args.seeds} seeds "
+def save_figure(fig, args, name, title, width=32, size=None):
+    """Titles fig with the task, the run's settings (size: the model's and the steps', by default 2
+    layers of `width` and --steps) and the machine, and writes out_dir/name.png."""
+    size = size or f"2 layers of width {width}, {args.steps} steps"
+    fig.suptitle(f"{title}, {size}, {args.seeds} seeds "
                  f"(python -m tasks.{name})\n{machine()}", fontsize=8)
     fig.tight_layout()
     write_file(os.path.join(args.out_dir, f"{name}.png"), lambda tmp: fig.savefig(tmp, dpi=90, format="png"))

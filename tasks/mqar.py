@@ -1,22 +1,28 @@
 """
-tasks/mqar.py: multi-query associative recall (MQAR), accuracy against the size of the state.
+tasks/mqar.py: the size of the state bounds how much a recurrent model can recall.
 
-    python -m tasks.mqar                            # Mamba-2 at d_state 16, 64, 256, Mamba-1 and Mamba-3 beside it
+    python -m tasks.mqar                            # Mamba-2 at d_state 16, 64 and 256, 3 seeds each
 
-The idea. A string of key-value pairs, k1 v1 k2 v2 ..., then the keys again in another order, each
-asking for its value. An SSM reads the pairs once and must hold them all in its fixed-size state:
-the more pairs, the more state it takes. It is the recall that separates attention, which keeps
-every token, from a recurrence, which keeps a summary (Arora et al. 2023, "Zoology", arXiv 2312.04927).
+The claim (Mamba-2, arXiv 2405.21060, §9.1 and its MQAR figure): on multi-query associative recall,
+Mamba-2's accuracy rises with d_state (16, 64, 256), and SSD makes the large state cheap.
 
-The claim (Mamba-2, arXiv 2405.21060, §9.1 and its MQAR figure): a larger state recalls more, and
-Mamba-2's SSD makes a large state cheap (its state per head is headdim x d_state, updated by
-matmuls, mamba2_minimal.py §2-3): Mamba-2 gains with d_state 16 -> 64 -> 256 and beats Mamba-1,
-whose d_state 16 is fixed by what its scan costs.
+The mechanism: the state's size bounds recall. A Mamba-2 head keeps a (headdim, d_state) matrix and
+adds x_t·B_t^T to it at every token (mamba2_minimal.py §2): B_t, computed through the short conv from
+the token before, is the key and x_t the value; at a query, C_t is the key asked for and h·C_t reads
+its value back. d_state-long keys can be told apart cleanly for about d_state pairs; past that they
+overlap and each read mixes in other values. (B and C are shared by the heads, so more heads widen
+the values, not the keys.)
 
-The data, at a CPU's size: 64 keys and 64 values (disjoint token ids), 8 pairs with distinct keys,
-then 8 queries, each key once; the target at a query is its value. Chance: 1/64. Scored: the
-fraction of queries answered right with 8 pairs, as trained, and with 16 and 32 pairs (the same
-number of queries, drawn from more pairs: more to hold in the same state).
+The ablation: the state size itself, everything else fixed: the same Mamba-2 at d_state 16, 64 and
+256, trained alike. `--models mamba,mamba3` adds Mamba-1 and Mamba-3 at d_state 16.
+
+The data (after Zoology, Arora et al. 2023, arXiv 2312.04927): 64 keys and 64 values (disjoint
+token ids), P pairs k1 v1 ... kP vP with distinct keys, then every key again in a random order, each
+asking for its value. Training draws P from 4 to 32 at every step (a curriculum: few pairs teach the
+binding of a value to its key, many fill the state); width 64, 2 layers, 3,000 steps. Chance: 1/64.
+Scored: the fraction of queries answered right with 8, 16 and 32 pairs.
+
+What it shows (RESULTS.md has the table, the machine and the times): ...
 """
 
 import torch
@@ -29,7 +35,6 @@ from tasks import common
 
 KEYS, VALUES = 64, 64  # keys are 0 .. 63, values 64 .. 127
 VOCAB = KEYS + VALUES
-QUERIES = 8
 
 
 def mqar_strings(keys, values, asked):
@@ -42,10 +47,11 @@ def mqar_strings(keys, values, asked):
     return x, y
 
 
-def mqar_batch(batch, pairs, generator, queries=QUERIES):
+def mqar_batch(batch, pairs, generator, queries=None):
     """mqar_strings of random pairs (distinct keys) and `queries` distinct pairs asked for in random
-    order, (batch, 2·pairs + queries) each."""
-    if not queries <= pairs <= KEYS:
+    order (every pair by default), (batch, 2·pairs + queries) each."""
+    queries = pairs if queries is None else queries
+    if not 1 <= queries <= pairs <= KEYS:
         raise ValueError(f"need queries <= pairs <= {KEYS}, got {queries} queries and {pairs} pairs")
     keys = torch.rand(batch, KEYS, generator=generator).argsort(dim=1)[:, :pairs]  # (batch, pairs) distinct
     values = torch.randint(KEYS, KEYS + VALUES, (batch, pairs), generator=generator)
@@ -57,32 +63,35 @@ def mqar_batch(batch, pairs, generator, queries=QUERIES):
 # 2. The run
 # ------------------------------------------------------------------------------------------------
 
-# The state sizes each model runs at: the sweep is Mamba-2's; Mamba-1 and Mamba-3 stand beside it at
-# d_state 16, Mamba-1's default (its scan keeps a (b, L, 2·d_model, d_state) tensor, so that its step
-# grows with d_state, and 256 would take several times a run's budget)
+# The state sizes each model runs at: the sweep is Mamba-2's. `--models mamba,mamba3` adds Mamba-1 and
+# Mamba-3 at d_state 16 (Mamba-1's scan keeps a (b, L, 2·d_model, d_state) tensor: its step grows with
+# d_state, and 256 would take several times a run's budget).
 D_STATES = {"mamba2": (16, 64, 256), "mamba": (16,), "mamba3": (16,)}
-PAIRS, BATCH, TEST_SEQUENCES, STRETCH = 8, 32, 512, (1, 2, 4)
+MODELS = ("mamba2",)
+PAIRS, FEWEST, WIDTH, LR, BATCH, TEST_SEQUENCES, TESTED = 32, 4, 32, 1e-2, 32, 512, (8, 16, 32)
 
 
-def run_one(arch, d_state, seed, steps, pairs=PAIRS, d_model=32, n_layer=2, batch=BATCH,
-            test_sequences=TEST_SEQUENCES, stretch=STRETCH):
-    """Train arch at d_state with one seed on `pairs` pairs, score it with pairs times each factor in
-    stretch. -> (accuracy per number of pairs, the loss curve, seconds of training)."""
+def run_one(arch, d_state, seed, steps, pairs=PAIRS, fewest=FEWEST, d_model=WIDTH, n_layer=2, lr=LR, batch=BATCH,
+            test_sequences=TEST_SEQUENCES, tested=TESTED):
+    """Train arch at d_state with one seed, on strings of `fewest` to `pairs` pairs (drawn anew at every
+    step, every pair asked for), then score it with each number of pairs in `tested`.
+    -> (accuracy per number of pairs, the loss curve, seconds of training)."""
     torch.manual_seed(seed)
-    model = common.build(arch, VOCAB, d_model, n_layer, d_state, max_len=2 * pairs + QUERIES)
+    model = common.build(arch, VOCAB, d_model, n_layer, d_state, max_len=3 * max(pairs, *tested))
     g = torch.Generator().manual_seed(1000 + seed)
-    curve, seconds = common.timed(common.train, model, lambda step: mqar_batch(batch, pairs, g), steps, VOCAB)
+
+    def batch_at(step):  # a curriculum: few pairs teach the binding, many fill the state
+        return mqar_batch(batch, int(torch.randint(fewest, pairs + 1, (), generator=g)), g)
+
+    curve, seconds = common.timed(common.train, model, batch_at, steps, VOCAB, lr=lr)
     test = torch.Generator().manual_seed(123)
-    scores = {}
-    for factor in stretch:
-        x, y = mqar_batch(test_sequences, factor * pairs, test)
-        scores[factor * pairs] = common.accuracy(model, x, y, VOCAB)
+    scores = {n: common.accuracy(model, *mqar_batch(test_sequences, n, test), VOCAB) for n in tested}
     return scores, curve, seconds
 
 
 def main(argv=None):
-    args = common.arguments(__doc__, tuple(D_STATES), steps=1500, argv=argv)
-    counts = [f * PAIRS for f in STRETCH]
+    args = common.arguments(__doc__, MODELS, steps=3000, argv=argv)
+    counts = list(TESTED)
     record, rows = {}, []
     for arch in args.models:
         for d_state in D_STATES.get(arch, (16,)):
@@ -96,8 +105,8 @@ def main(argv=None):
             rows.append((f"{common.ARCHS[arch]}, d_state {d_state}",
                          {f"{n} pairs": [r["scores"][n] for r in runs] for n in counts}))
             common.save_results(args, "mqar", record)  # after each row: a stopped run keeps the rows it finished
-    common.print_table(f"MQAR: accuracy on the {QUERIES} queries, mean [min, max] over {args.seeds} seeds "
-                       f"(trained with {PAIRS} pairs; chance {1 / VALUES:.3f})", rows, [f"{n} pairs" for n in counts])
+    common.print_table(f"MQAR: accuracy on the queries, mean [min, max] over {args.seeds} seeds (trained on "
+                       f"{FEWEST}-{PAIRS} pairs; chance {1 / VALUES:.3f})", rows, [f"{n} pairs" for n in counts])
     figure(record, args)
 
 
@@ -105,9 +114,8 @@ def figure(record, args):
     plt = common.pyplot()
     if plt is None:
         return
-    fig, axes = plt.subplots(1, len(STRETCH), figsize=(4 * len(STRETCH), 3.6), squeeze=False)
-    for ax, factor in zip(axes[0], STRETCH):
-        n = factor * PAIRS
+    fig, axes = plt.subplots(1, len(TESTED), figsize=(4 * len(TESTED), 3.6), squeeze=False)
+    for ax, n in zip(axes[0], TESTED):
         for arch, by_state in record.items():
             states = sorted(by_state)
             means = [sum(r["scores"][n] for r in by_state[s]) / len(by_state[s]) for s in states]
@@ -118,11 +126,11 @@ def figure(record, args):
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.02)
         ax.set_xlabel("d_state")
-        ax.set_title(f"{n} pairs" + (" (as trained)" if factor == 1 else ""))
+        ax.set_title(f"{n} pairs")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("query accuracy")
     axes[0][0].legend(fontsize=8)
-    common.save_figure(fig, args, "mqar", "MQAR")
+    common.save_figure(fig, args, "mqar", "MQAR", width=WIDTH)
 
 
 if __name__ == "__main__":
