@@ -4,9 +4,9 @@ replaced (an ablation, off in every official model).
 
 SelectionOffMixer is mamba_minimal.MambaMixer with Δ, B and C learned constants instead of functions
 of the token: the decay exp(Δ·A) is the same at every step, the S4D-style layer of pscan.py section
-2, whose SSM is one fixed convolution. tasks/selective_copying.py trains both on the Mamba paper's
-selective copying task (§4.1.1): MambaLM(cfg, mixer_cls=SelectionOffMixer). Its checkpoints hold
-dt_bias, B and C where a selective model's hold x_proj and dt_proj.
+2, whose SSM is one fixed convolution. tasks/selective_copying.py and tasks/induction_heads.py
+train both on the Mamba paper's tasks (§4.1.1, §4.1.2): MambaLM(cfg, mixer_cls=SelectionOffMixer).
+Its checkpoints hold dt_bias, B and C where a selective model's hold x_proj and dt_proj.
 """
 
 import torch
