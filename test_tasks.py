@@ -183,6 +183,37 @@ def test_every_architecture_builds_trains_and_scores(arch):
     assert 0 <= common.accuracy(model, x, y, 5) <= 1
 
 
+@pytest.mark.parametrize("arch", ["mamba", "mamba2", "mamba3"])
+def test_state_passing_trains_each_batch_as_the_continuation_of_the_last(arch):
+    # the oracle: with the learning rate at 0 the weights stay put, so the second batch's loss under
+    # state passing is the loss on the second half of the two batches read as one string
+    torch.manual_seed(0)
+    model = common.build(arch, 7, **TINY, max_len=24).double()
+    x = torch.randint(0, 7, (3, 24))
+    y = torch.randint(0, 7, (3, 24))
+    halves = [(x[:, :12], y[:, :12]), (x[:, 12:], y[:, 12:])]
+    curve = common.train(model, lambda step: halves[step], steps=2, vocab_size=7, lr=0.0, warmup=1,
+                         log_every=1, state_passing=True)
+    with torch.no_grad():
+        whole = model(x)[:, 12:, :7]
+    expected = F.cross_entropy(whole.flatten(0, 1), y[:, 12:].flatten())
+    assert curve[1][1] == pytest.approx(expected.item(), rel=1e-6)  # the loss is taken in fp32
+    fresh = common.train(model, lambda step: halves[step], steps=2, vocab_size=7, lr=0.0, warmup=1, log_every=1)
+    assert abs(fresh[1][1] - expected.item()) > 1e-4  # from zeros: another loss
+
+
+def test_induction_state_passing_is_refused_for_the_gpt_and_recorded_otherwise(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit, match="GPT has none"):
+        induction_heads.main(["--models", "gpt", "--state-passing", "--steps", "1", "--seeds", "1",
+                              "--out-dir", str(tmp_path)])
+    seen = []
+    monkeypatch.setattr(induction_heads, "run_one", lambda arch, seed, steps, state_passing: seen.append(
+        state_passing) or ({64: 1.0, 1024: 1.0, 4096: 1.0, 16384: 1.0}, [(1, 1.0)], 0.0))
+    induction_heads.main(["--models", "mamba", "--state-passing", "--seeds", "1", "--out-dir", str(tmp_path)])
+    assert seen == [True]
+    assert json.loads((tmp_path / "induction_heads.json").read_text())["settings"]["state_passing"] is True
+
+
 def test_accuracy_counts_only_the_answers():
     class Says(torch.nn.Module):  # predicts token 1 everywhere
         def forward(self, x):

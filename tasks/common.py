@@ -93,17 +93,25 @@ def lr_at(step, steps, lr, warmup):
     return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * ratio)))
 
 
-def train(model, batch_at, steps, vocab_size, lr=3e-3, weight_decay=0.1, warmup=100, log_every=50):
+def train(model, batch_at, steps, vocab_size, lr=3e-3, weight_decay=0.1, warmup=100, log_every=50,
+          state_passing=False):
     """AdamW on the batches batch_at(step) -> (x, y) for `steps` steps, gradients clipped at norm 1.
-    Returns the training loss every log_every steps, as (step, mean loss since the last record)."""
+    Returns the training loss every log_every steps, as (step, mean loss since the last record).
+    state_passing (SSMs only, one batch size throughout): each batch starts from the recurrent state
+    the previous one ended in, detached, instead of from zeros, so that training meets the states a
+    long string leads to (the remedy of Buitrago Ruiz and Gu, arXiv 2507.02782)."""
     optimizer = torch.optim.AdamW(model.optim_groups(weight_decay), lr=lr, betas=(0.9, 0.98))
     model.train()
-    curve, running = [], []
+    curve, running, cache = [], [], None
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         x, y = batch_at(step)
-        logits = logits_of(model, x, vocab_size)  # (b, L, V)
+        if state_passing:
+            logits, cache = model(x, want_cache=True, cache=cache)
+            logits, cache = logits[..., :vocab_size].float(), detached(cache)
+        else:
+            logits = logits_of(model, x, vocab_size)  # (b, L, V)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -114,6 +122,13 @@ def train(model, batch_at, steps, vocab_size, lr=3e-3, weight_decay=0.1, warmup=
             curve.append((step + 1, sum(running) / len(running)))
             running = []
     return curve
+
+
+def detached(cache):
+    """An inference cache (tensors in lists and tuples) with every tensor cut from the graph."""
+    if isinstance(cache, torch.Tensor):
+        return cache.detach()
+    return type(cache)(detached(c) for c in cache)
 
 
 # ------------------------------------------------------------------------------------------------

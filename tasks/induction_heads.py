@@ -48,6 +48,8 @@ at 32 (1,500 steps): 0.555 / 0.203; the paper's 256 tokens at batch 8 after 600 
 learning, the loss at chance. The default is the cheapest of the best: 64 tokens, 1,500 steps.
 """
 
+import sys
+
 import torch
 
 from tasks import common
@@ -92,14 +94,15 @@ LENGTH, WIDTH, BATCH, TEST_SEQUENCES, STRETCH = 64, 64, 32, 256, (1, 16, 64, 256
 
 
 def run_one(arch, seed, steps, length=LENGTH, d_model=WIDTH, n_layer=2, d_state=16, batch=BATCH,
-            test_sequences=TEST_SEQUENCES, stretch=STRETCH):
+            test_sequences=TEST_SEQUENCES, stretch=STRETCH, state_passing=False):
     """Train arch with one seed at `length`, score it at length times each factor in stretch (the
     factor 1 with the parallel forward, the others prefill + step). -> (accuracy per length, the
     loss curve, seconds of training)."""
     torch.manual_seed(seed)
     model = common.build(arch, VOCAB, d_model, n_layer, d_state, max_len=length)
     g = torch.Generator().manual_seed(1000 + seed)
-    curve, seconds = common.timed(common.train, model, lambda step: induction_batch(batch, length, g), steps, VOCAB)
+    curve, seconds = common.timed(common.train, model, lambda step: induction_batch(batch, length, g), steps, VOCAB,
+                                  state_passing=state_passing)
     test = torch.Generator().manual_seed(123)
     scores = {}
     for factor in stretch:
@@ -115,13 +118,17 @@ def run_one(arch, seed, steps, length=LENGTH, d_model=WIDTH, n_layer=2, d_state=
 
 
 def main(argv=None):
-    args = common.arguments(__doc__, MODELS, steps=1500, argv=argv)
+    args = common.arguments(__doc__, MODELS, steps=1500, argv=argv, extra=lambda p: p.add_argument(
+        "--state-passing", action="store_true", help="start each batch from the state the last one ended in"))
+    if args.state_passing and "gpt" in args.models:
+        sys.exit("error: --state-passing needs a recurrent state; the GPT has none (leave it out of --models)")
     lengths = [f * LENGTH for f in STRETCH]
     record, rows = {}, []
     for arch in args.models:
         runs = []
         for seed in range(args.seeds):
-            (scores, curve, seconds), total = common.timed(run_one, arch, seed, args.steps)
+            (scores, curve, seconds), total = common.timed(run_one, arch, seed, args.steps,
+                                                           state_passing=args.state_passing)
             runs.append(dict(seed=seed, scores=scores, curve=curve, seconds=seconds, with_tests=total))
             print(f"{arch} seed {seed}: " + ", ".join(
                 f"{n} tokens {'n/a' if a is None else f'{a:.3f}'}" for n, a in scores.items())
