@@ -1,6 +1,6 @@
 """
 tasks/selection_off.py: Mamba-1 with selection switched off, the time-invariant layer that selection
-replaced (an ablation, off in every official model).
+replaced (an ablation; no official model uses it).
 
 SelectionOffMixer is mamba_minimal.MambaMixer with Δ, B and C learned constants instead of functions
 of the token: the decay exp(Δ·A) is the same at every step, the S4D-style layer of pscan.py section
