@@ -176,8 +176,8 @@ def arguments(description, models, steps, extra=None, argv=None):
                    help=f"comma-separated, from {', '.join(ARCHS)} (default: "
                         + ("each task's own" if models is None else "%(default)s") + ")")
     p.add_argument("--seeds", type=int, default=3, help="runs per model, seeds 0 .. SEEDS-1 (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=steps,
-                   help="training steps per run (default: " + ("each task's own" if steps is None else "%(default)s") + ")")
+    p.add_argument("--steps", type=int, default=steps, help="training steps per run (default: "
+                   + ("each task's own" if steps is None else "%(default)s") + ")")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--out-dir", default="out/tasks", help="where the results (JSON) and the figure go")
     if extra is not None:

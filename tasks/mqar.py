@@ -31,17 +31,16 @@ on one thread, d_state 256 the longest): every seed at every size learns the bin
 
 What was tried before (seed 0 unless said): 8 pairs and 8 queries, width 32, lr 3e-3, 1,500 steps
 (the earlier default, 15 runs, Intel): 14 stopped near 1/8, answering with any value in the string,
-the binding not learned; 32 pairs from the first step, width 64, d_state 16, 2,000 steps: the binding
-not learned (0.062, the loss still falling slowly); 4-32 pairs at width 64 and lr 3e-3: d_state 16 learned the binding on 1 seed of 3 (0.627,
-0.109, 0.087 with 32 pairs), d_state 64 on 2 of 2 (0.994, 0.996; stopped there); the same with the
-largest number of pairs growing from 4 to 32 over the first half (seed 1, d_state 16): the binding
-not learned (0.083);
-lr 1e-2 at width 64 (seed 1, d_state 16): 0.972 with 32 pairs, where width 64's state (128 channels
-x 16) holds 32 pairs nearly whole. Width 32 at lr 1e-2 learns on every seed and leaves d_state 16 too
-small for 32 pairs: the default, chosen for that, on one seed's pilot (0.695 at d_state 16, 1.000 at
-256). The learning rate decided whether the binding was learned in these runs, the width whether 32
-pairs fill a d_state-16 state; each of those two readings rests on one seed.
-"""
+the binding not learned; 32 pairs from the first step, width 64, d_state 16, 2,000 steps: the
+binding not learned (0.062, the loss still falling slowly); 4-32 pairs at width 64 and lr 3e-3:
+d_state 16 learned the binding on 1 seed of 3 (0.627, 0.109, 0.087 with 32 pairs), d_state 64 on 2
+of 2 (0.994, 0.996; stopped there); the same with the largest number of pairs growing from 4 to 32
+over the first half (seed 1, d_state 16): the binding not learned (0.083); lr 1e-2 at width 64 (seed
+1, d_state 16): 0.972 with 32 pairs, where width 64's state (128 channels x 16) holds 32 pairs
+nearly whole. Width 32 at lr 1e-2 learns on every seed and leaves d_state 16 too small for 32 pairs:
+the default, chosen for that, on one seed's pilot (0.695 at d_state 16, 1.000 at 256). The learning
+rate decided whether the binding was learned in these runs, the width whether 32 pairs fill a
+d_state-16 state; each of those two readings rests on one seed. """
 
 import torch
 
