@@ -214,6 +214,35 @@ def test_induction_state_passing_is_refused_for_the_gpt_and_recorded_otherwise(t
     assert json.loads((tmp_path / "induction_heads.json").read_text())["settings"]["state_passing"] is True
 
 
+class AnyScores(dict):
+    """The scores of a run that was not trained: 0.5 at whatever length the table asks for."""
+
+    def __missing__(self, key):
+        return 0.5
+
+
+@pytest.mark.parametrize("task,argv", [(selective_copying, []), (induction_heads, []),
+                                       (mqar, ["--d-states", "8,32", "--fewest", "20"]),
+                                       (state_tracking, ["--task", "arithmetic"])])
+def test_width_learning_rate_and_weight_decay_reach_the_training(task, argv, tmp_path, monkeypatch, capsys):
+    seen = []
+
+    def run_one(*args, **kwargs):
+        seen.append((args, kwargs))
+        return AnyScores(), [(1, 1.0)], 0.0
+
+    monkeypatch.setattr(task, "run_one", run_one)
+    monkeypatch.setattr(task, "figure", lambda *args: None)  # nothing was trained to draw
+    task.main(argv + ["--models", "mamba", "--seeds", "1", "--width", "48", "--lr", "0.02", "--weight-decay", "0",
+                      "--out-dir", str(tmp_path)])
+    assert seen and all(k["d_model"] == 48 and k["lr"] == 0.02 and k["weight_decay"] == 0 for _, k in seen)
+    if task is mqar:  # one row per d_state asked for, each with the fewest pairs asked for
+        assert [a[1] for a, _ in seen] == [8, 32] and all(k["fewest"] == 20 for _, k in seen)
+    seen.clear()
+    task.main(argv + ["--models", "mamba", "--seeds", "1", "--out-dir", str(tmp_path)])
+    assert all("lr" not in k and "weight_decay" not in k for _, k in seen)  # the task's own
+
+
 def test_accuracy_counts_only_the_answers():
     class Says(torch.nn.Module):  # predicts token 1 everywhere
         def forward(self, x):

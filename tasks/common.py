@@ -178,6 +178,9 @@ def arguments(description, models, steps, extra=None, argv=None):
     p.add_argument("--seeds", type=int, default=3, help="runs per model, seeds 0 .. SEEDS-1 (default: %(default)s)")
     p.add_argument("--steps", type=int, default=steps, help="training steps per run (default: "
                    + ("each task's own" if steps is None else "%(default)s") + ")")
+    p.add_argument("--width", type=int, help="d_model of every model (default: the task's own)")
+    p.add_argument("--lr", type=float, help="the peak learning rate (default: the task's own)")
+    p.add_argument("--weight-decay", type=float, help="AdamW's weight decay (default: 0.1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--out-dir", default="out/tasks", help="where the results (JSON) and the figure go")
     if extra is not None:
@@ -190,8 +193,10 @@ def arguments(description, models, steps, extra=None, argv=None):
                 p.error(f"unknown model {m!r}: choose from {', '.join(ARCHS)}")
         if not args.models or len(set(args.models)) < len(args.models):
             p.error(f"--models needs one or more different names, got {','.join(args.models)!r}")
-    if args.seeds < 1 or (args.steps is not None and args.steps < 1) or args.threads < 1:
-        p.error("--seeds, --steps and --threads must be positive")
+    if args.seeds < 1 or args.threads < 1 or any(v is not None and v <= 0 for v in (args.steps, args.width, args.lr)):
+        p.error("--seeds, --steps, --threads, --width and --lr must be positive")
+    if args.weight_decay is not None and args.weight_decay < 0:
+        p.error("--weight-decay must be 0 or more")
     cores = os.cpu_count() or 1
     if args.threads > 4 * cores:  # torch crashes (SIGSEGV) far above the cores
         p.error(f"--threads {args.threads} is more than 4 x the {cores} cores this machine has")
@@ -212,6 +217,13 @@ def arguments(description, models, steps, extra=None, argv=None):
             os.remove(probe)
     torch.set_num_threads(args.threads)
     return args
+
+
+def overrides(args):
+    """The run_one keywords that --width, --lr and --weight-decay set; a task's own values stand for
+    the options not given."""
+    given = dict(d_model=args.width, lr=args.lr, weight_decay=args.weight_decay)
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def machine():
@@ -287,7 +299,7 @@ def pyplot():
 def save_figure(fig, args, name, title, width=32, size=None):
     """Titles fig with the task, the run's settings (size: the model's and the steps', by default 2
     layers of `width` and --steps) and the machine, and writes out_dir/name.png."""
-    size = size or f"2 layers of width {width}, {args.steps} steps"
+    size = size or f"2 layers of width {args.width or width}, {args.steps} steps"
     fig.suptitle(f"{title}, {size}, {args.seeds} seeds "
                  f"(python -m tasks.{name})\n{machine()}", fontsize=8)
     fig.tight_layout()

@@ -96,7 +96,8 @@ MODELS = ("mamba", "mamba-lti")
 LENGTH, WIDTH, BATCH, TEST_SEQUENCES, STRETCH = 64, 64, 32, 256, (1, 16, 64, 256)
 
 
-def run_one(arch, seed, steps, length=LENGTH, d_model=WIDTH, n_layer=2, d_state=16, batch=BATCH,
+def run_one(arch, seed, steps, length=LENGTH, d_model=WIDTH, n_layer=2, d_state=16, lr=3e-3, weight_decay=0.1,
+            batch=BATCH,
             test_sequences=TEST_SEQUENCES, stretch=STRETCH, state_passing=False):
     """Train arch with one seed at `length`, score it at length times each factor in stretch (the
     factor 1 with the parallel forward, the others prefill + step). -> (accuracy per length, the
@@ -105,7 +106,7 @@ def run_one(arch, seed, steps, length=LENGTH, d_model=WIDTH, n_layer=2, d_state=
     model = common.build(arch, VOCAB, d_model, n_layer, d_state, max_len=length)
     g = torch.Generator().manual_seed(1000 + seed)
     curve, seconds = common.timed(common.train, model, lambda step: induction_batch(batch, length, g), steps, VOCAB,
-                                  state_passing=state_passing)
+                                  lr=lr, weight_decay=weight_decay, state_passing=state_passing)
     test = torch.Generator().manual_seed(123)
     scores = {}
     for factor in stretch:
@@ -131,7 +132,7 @@ def main(argv=None):
         runs = []
         for seed in range(args.seeds):
             (scores, curve, seconds), total = common.timed(run_one, arch, seed, args.steps,
-                                                           state_passing=args.state_passing)
+                                                           state_passing=args.state_passing, **common.overrides(args))
             runs.append(dict(seed=seed, scores=scores, curve=curve, seconds=seconds, with_tests=total))
             print(f"{arch} seed {seed}: " + ", ".join(
                 f"{n} tokens {'n/a' if a is None else f'{a:.3f}'}" for n, a in scores.items())

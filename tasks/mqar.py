@@ -42,6 +42,8 @@ the default, chosen for that, on one seed's pilot (0.695 at d_state 16, 1.000 at
 rate decided whether the binding was learned in these runs, the width whether 32 pairs fill a
 d_state-16 state; each of those two readings rests on one seed. """
 
+import sys
+
 import torch
 
 from tasks import common
@@ -88,8 +90,8 @@ MODELS = ("mamba2",)
 PAIRS, FEWEST, WIDTH, LR, BATCH, TEST_SEQUENCES, TESTED = 32, 4, 32, 1e-2, 32, 512, (8, 16, 32)
 
 
-def run_one(arch, d_state, seed, steps, pairs=PAIRS, fewest=FEWEST, d_model=WIDTH, n_layer=2, lr=LR, batch=BATCH,
-            test_sequences=TEST_SEQUENCES, tested=TESTED):
+def run_one(arch, d_state, seed, steps, pairs=PAIRS, fewest=FEWEST, d_model=WIDTH, n_layer=2, lr=LR, weight_decay=0.1,
+            batch=BATCH, test_sequences=TEST_SEQUENCES, tested=TESTED):
     """Train arch at d_state with one seed, on strings of `fewest` to `pairs` pairs (drawn anew at every
     step, every pair asked for), then score it with each number of pairs in `tested`.
     -> (accuracy per number of pairs, the loss curve, seconds of training)."""
@@ -100,21 +102,36 @@ def run_one(arch, d_state, seed, steps, pairs=PAIRS, fewest=FEWEST, d_model=WIDT
     def batch_at(step):  # a curriculum: few pairs teach the binding, many fill the state
         return mqar_batch(batch, int(torch.randint(fewest, pairs + 1, (), generator=g)), g)
 
-    curve, seconds = common.timed(common.train, model, batch_at, steps, VOCAB, lr=lr)
+    curve, seconds = common.timed(common.train, model, batch_at, steps, VOCAB, lr=lr, weight_decay=weight_decay)
     test = torch.Generator().manual_seed(123)
     scores = {n: common.accuracy(model, *mqar_batch(test_sequences, n, test), VOCAB) for n in tested}
     return scores, curve, seconds
 
 
 def main(argv=None):
-    args = common.arguments(__doc__, MODELS, steps=3000, argv=argv)
+    def extra(p):
+        p.add_argument("--d-states", help="comma-separated d_state values, for every model (default: "
+                       + ", ".join(f"{m} {'/'.join(map(str, s))}" for m, s in D_STATES.items()) + ")")
+        p.add_argument("--fewest", type=int, default=FEWEST,
+                       help=f"the fewest pairs a training string holds; the most is {PAIRS} (default: %(default)s)")
+
+    args = common.arguments(__doc__, MODELS, steps=3000, argv=argv, extra=extra)
+    try:
+        d_states = None if args.d_states is None else [int(n) for n in args.d_states.split(",")]
+    except ValueError:
+        sys.exit(f"error: --d-states takes comma-separated whole numbers, got {args.d_states!r}")
+    if d_states is not None and (not d_states or min(d_states) < 1):
+        sys.exit(f"error: --d-states takes positive numbers, got {args.d_states!r}")
+    if not 1 <= args.fewest <= PAIRS:
+        sys.exit(f"error: --fewest must be from 1 to {PAIRS}, got {args.fewest}")
     counts = list(TESTED)
     record, rows = {}, []
     for arch in args.models:
-        for d_state in D_STATES.get(arch, (16,)):
+        for d_state in d_states or D_STATES.get(arch, (16,)):
             runs = []
             for seed in range(args.seeds):
-                scores, curve, seconds = run_one(arch, d_state, seed, args.steps)
+                scores, curve, seconds = run_one(arch, d_state, seed, args.steps, fewest=args.fewest,
+                                                 **common.overrides(args))
                 runs.append(dict(seed=seed, scores=scores, curve=curve, seconds=seconds))
                 print(f"{arch} d_state {d_state} seed {seed}: " + ", ".join(
                     f"{n} pairs {a:.3f}" for n, a in scores.items()) + f"  ({seconds:.0f} s)", flush=True)
@@ -123,7 +140,7 @@ def main(argv=None):
                          {f"{n} pairs": [r["scores"][n] for r in runs] for n in counts}))
             common.save_results(args, "mqar", record)  # after each row: a stopped run keeps the rows it finished
     common.print_table(f"MQAR: accuracy on the queries, mean [min, max] over {args.seeds} seeds (trained on "
-                       f"{FEWEST}-{PAIRS} pairs; chance {1 / VALUES:.3f})", rows, [f"{n} pairs" for n in counts])
+                       f"{args.fewest}-{PAIRS} pairs; chance {1 / VALUES:.3f})", rows, [f"{n} pairs" for n in counts])
     figure(record, args)
 
 

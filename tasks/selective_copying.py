@@ -72,14 +72,15 @@ MODELS = ("mamba", "mamba-lti")
 SPAN, BATCH, TEST_SEQUENCES, STRETCH = 32, 32, 512, (1, 2, 4)
 
 
-def run_one(arch, seed, steps, span=SPAN, d_model=32, n_layer=2, d_state=16, batch=BATCH,
+def run_one(arch, seed, steps, span=SPAN, d_model=32, n_layer=2, d_state=16, lr=3e-3, weight_decay=0.1, batch=BATCH,
             test_sequences=TEST_SEQUENCES, stretch=STRETCH):
     """Train arch with one seed at `span`, score it at span times each factor in stretch.
     -> (accuracy per span, the loss curve, seconds of training)."""
     torch.manual_seed(seed)
     model = common.build(arch, VOCAB, d_model, n_layer, d_state, max_len=span + TO_COPY)
     g = torch.Generator().manual_seed(1000 + seed)
-    curve, seconds = common.timed(common.train, model, lambda step: copying_batch(batch, span, g), steps, VOCAB)
+    curve, seconds = common.timed(common.train, model, lambda step: copying_batch(batch, span, g), steps, VOCAB,
+                                  lr=lr, weight_decay=weight_decay)
     test = torch.Generator().manual_seed(123)
     scores = {}
     for factor in stretch:
@@ -95,7 +96,7 @@ def main(argv=None):
     for arch in args.models:
         runs = []
         for seed in range(args.seeds):
-            scores, curve, seconds = run_one(arch, seed, args.steps)
+            scores, curve, seconds = run_one(arch, seed, args.steps, **common.overrides(args))
             runs.append(dict(seed=seed, scores=scores, curve=curve, seconds=seconds))
             print(f"{arch} seed {seed}: " + ", ".join(f"span {n} {a:.3f}" for n, a in scores.items())
                   + f"  ({seconds:.0f} s)", flush=True)

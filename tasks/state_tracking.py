@@ -130,7 +130,7 @@ SIZES = {"parity": dict(models=("mamba3", "mamba3-real", "mamba2", "mamba"), d_m
 BATCH, TEST_SEQUENCES, STRETCH = 32, 512, (1, 2, 4, 8)
 
 
-def run_one(task, arch, seed, steps, d_model=32, n_layer=2, d_state=16, batch=BATCH,
+def run_one(task, arch, seed, steps, d_model=32, n_layer=2, d_state=16, lr=3e-3, weight_decay=0.1, batch=BATCH,
             test_sequences=TEST_SEQUENCES, stretch=STRETCH):
     """Train arch on task with one seed, then score it at the longest training length times each
     factor in stretch. -> (accuracy per length, the loss curve, seconds of training)."""
@@ -143,7 +143,7 @@ def run_one(task, arch, seed, steps, d_model=32, n_layer=2, d_state=16, batch=BA
         n = int(torch.randint(shortest, longest + 1, (), generator=g))  # a new length every step
         return make(batch, n, g)
 
-    curve, seconds = common.timed(common.train, model, batch_at, steps, vocab)
+    curve, seconds = common.timed(common.train, model, batch_at, steps, vocab, lr=lr, weight_decay=weight_decay)
     test = torch.Generator().manual_seed(123)  # one test set for every model and seed
     scores = {}
     for factor in stretch:
@@ -161,14 +161,15 @@ def main(argv=None):
                             extra=lambda p: p.add_argument("--task", choices=("both", *TASKS), default="both"))
     for task in TASKS if args.task == "both" else (args.task,):
         _, _, _, longest, unit = TASKS[task]
-        size = SIZES[task]
+        size = dict(SIZES[task], **({"d_model": args.width} if args.width else {}))
         steps, models = args.steps or size["steps"], args.models or size["models"]
         lengths = [f * longest for f in STRETCH]
         record, rows = {}, []
         for arch in models:
             runs = []
             for seed in range(args.seeds):
-                scores, curve, seconds = run_one(task, arch, seed, steps, size["d_model"], size["n_layer"])
+                scores, curve, seconds = run_one(task, arch, seed, steps, **{
+                    "d_model": size["d_model"], "n_layer": size["n_layer"], **common.overrides(args)})
                 runs.append(dict(seed=seed, scores=scores, curve=curve, seconds=seconds))
                 print(f"{task} {arch} seed {seed}: " + ", ".join(
                     f"{n} {unit} {'n/a' if a is None else f'{a:.3f}'}" for n, a in scores.items())
