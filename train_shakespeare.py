@@ -558,9 +558,12 @@ def main(argv=None):
         train(run)
         finish(run)
         del run  # and with it DDP's hold on the process group, which would outlive destroy_process_group
-    if ddp:  # a last barrier, then a teardown that cannot hang: gloo's worker, last to let go of the barrier,
-        barrier = dist.barrier(async_op=True)  # would wait for the GIL this thread holds in the group's
-        barrier.wait()  # destructor (pytorch/pytorch#56297); tearing gloo down while a peer is busy can abort it
+    # With torchrun: a last barrier, then a teardown that cannot hang. Waited for asynchronously, so that
+    # gloo's worker, the last to let go of the barrier, does not wait for the GIL this thread holds in the
+    # group's destructor (pytorch/pytorch#56297); tearing gloo down while a peer is busy can abort it.
+    if ddp:
+        barrier = dist.barrier(async_op=True)
+        barrier.wait()
         dist.destroy_process_group()  # the group's last reference: its destructor ends gloo's threads
         del barrier
 

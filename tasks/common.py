@@ -75,15 +75,22 @@ def build(arch, vocab_size, d_model=32, n_layer=2, d_state=16, max_len=64):
     raise ValueError(f"arch must be one of {tuple(ARCHS)}, got {arch!r}")
 
 
-def logits_of(model, x, vocab_size):
-    """x (b, L) -> logits (b, L, vocab_size) in fp32: the Mamba models pad their vocabulary to a
+def vocab_logits(logits, vocab_size):
+    """logits (..., V_padded) -> (..., vocab_size) in fp32: the Mamba models pad their vocabulary to a
     multiple of 8, and the padded entries are no answer."""
-    return model(x)[..., :vocab_size].float()
+    return logits[..., :vocab_size].float()
+
+
+def logits_of(model, x, vocab_size):
+    """x (b, L) -> logits (b, L, vocab_size), the padded entries dropped."""
+    return vocab_logits(model(x), vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------
 # 2. Training
 # ------------------------------------------------------------------------------------------------
+
+LR, WEIGHT_DECAY = 3e-3, 0.1  # every task's unless it names its own (MQAR's learning rate)
 
 def lr_at(step, steps, lr, warmup):
     """Linear warmup over `warmup` steps, then a cosine from lr down to lr/10 at the last step."""
@@ -93,7 +100,7 @@ def lr_at(step, steps, lr, warmup):
     return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * ratio)))
 
 
-def train(model, batch_at, steps, vocab_size, lr=3e-3, weight_decay=0.1, warmup=100, log_every=50,
+def train(model, batch_at, steps, vocab_size, lr=LR, weight_decay=WEIGHT_DECAY, warmup=100, log_every=50,
           state_passing=False):
     """AdamW on the batches batch_at(step) -> (x, y) for `steps` steps, gradients clipped at norm 1.
     Returns the training loss every log_every steps, as (step, mean loss since the last record).
@@ -109,7 +116,9 @@ def train(model, batch_at, steps, vocab_size, lr=3e-3, weight_decay=0.1, warmup=
         x, y = batch_at(step)
         if state_passing:
             logits, cache = model(x, want_cache=True, cache=cache)
-            logits, cache = logits[..., :vocab_size].float(), detached(cache)
+            logits = vocab_logits(logits, vocab_size)
+            # the next batch starts from this state, but no gradient flows back into this batch
+            cache = [type(layer)(t.detach() for t in layer) for layer in cache]
         else:
             logits = logits_of(model, x, vocab_size)  # (b, L, V)
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
@@ -122,13 +131,6 @@ def train(model, batch_at, steps, vocab_size, lr=3e-3, weight_decay=0.1, warmup=
             curve.append((step + 1, sum(running) / len(running)))
             running = []
     return curve
-
-
-def detached(cache):
-    """An inference cache (tensors in lists and tuples) with every tensor cut from the graph."""
-    if isinstance(cache, torch.Tensor):
-        return cache.detach()
-    return type(cache)(detached(c) for c in cache)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,7 +164,7 @@ def last_logits_by_steps(model, x, prefix, vocab_size):
     for token in x[:, prefix:].unbind(1):
         logits = model.step(token, cache)
     model.train()
-    return logits[:, :vocab_size].float()
+    return vocab_logits(logits, vocab_size)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,7 +182,7 @@ def arguments(description, models, steps, extra=None, argv=None):
                    + ("each task's own" if steps is None else "%(default)s") + ")")
     p.add_argument("--width", type=int, help="d_model of every model (default: the task's own)")
     p.add_argument("--lr", type=float, help="the peak learning rate (default: the task's own)")
-    p.add_argument("--weight-decay", type=float, help="AdamW's weight decay (default: 0.1)")
+    p.add_argument("--weight-decay", type=float, help=f"AdamW's weight decay (default: {WEIGHT_DECAY})")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     p.add_argument("--out-dir", default="out/tasks", help="where the results (JSON) and the figure go")
     if extra is not None:

@@ -5,7 +5,7 @@ tasks/mqar.py: the size of the state bounds how much a recurrent model can recal
 
 The claim (Mamba-2, arXiv 2405.21060, §9.1 and its MQAR figure): on multi-query associative recall,
 Mamba-2's accuracy rises with d_state (16, 64, 256); the paper adds that SSD makes the large state
-cheap (here a d_state-256 run trains about 3.3x as long as a d_state-16 one).
+cheap (a d_state-256 run of this task trains about 3.3x as long as a d_state-16 one).
 
 The mechanism: the state's size bounds recall. A Mamba-2 head keeps a (headdim, d_state) matrix and
 adds x_t·B_t^T to it at every token (mamba2_minimal.py §2): B_t, computed through the short conv from
@@ -29,18 +29,15 @@ on one thread, d_state 256 the longest): every seed at every size learns the bin
 8 pairs); with 32 pairs, d_state 16 answers 0.70-0.92 of the queries, d_state 64 0.998 and 256 all
 (width 32: at width 64 the small state is not the bound, see below).
 
-What was tried before (seed 0 unless said): 8 pairs and 8 queries, width 32, lr 3e-3, 1,500 steps
-(the earlier default, 15 runs, Intel): 14 stopped near 1/8, answering with any value in the string,
-the binding not learned; 32 pairs from the first step, width 64, d_state 16, 2,000 steps: the
-binding not learned (0.062, the loss still falling slowly); 4-32 pairs at width 64 and lr 3e-3:
-d_state 16 learned the binding on 1 seed of 3 (0.627, 0.109, 0.087 with 32 pairs), d_state 64 on 2
-of 2 (0.994, 0.996; stopped there); the same with the largest number of pairs growing from 4 to 32
-over the first half (seed 1, d_state 16): the binding not learned (0.083); lr 1e-2 at width 64 (seed
-1, d_state 16): 0.972 with 32 pairs, where width 64's state (128 channels x 16) holds 32 pairs
-nearly whole. Width 32 at lr 1e-2 learns on every seed and leaves d_state 16 too small for 32 pairs:
-the default, chosen for that, on one seed's pilot (0.695 at d_state 16, 1.000 at 256). The learning
-rate decided whether the binding was learned in these runs, the width whether 32 pairs fill a
-d_state-16 state; each of those two readings rests on one seed. """
+What was tried, each a `python -m tasks.mqar` command with the options shown (RESULTS.md has the
+numbers): the command at commit 46e3c57 (8 pairs, width 32, lr 3e-3, 1,500 steps) learned the binding
+on 1 run of 15; `--fewest 32 --width 64 --lr 3e-3 --d-states 16 --steps 2000 --seeds 1` did not learn
+it; `--width 64 --lr 3e-3` learned it at d_state 16 on 1 seed of 3 and at d_state 64 on 2 of 2;
+`--width 64 --d-states 16 --seeds 2`, at lr 1e-2, learned it and held 32 pairs nearly whole (W64_SHORT),
+so at width 64 a d_state-16 state is not the bound. Width 32 at lr 1e-2 learns on every seed and leaves
+d_state 16 too small for 32 pairs: the default. In these runs the learning rate decided whether the
+binding was learned, and the width whether 32 pairs fill a d_state-16 state.
+"""
 
 import sys
 
@@ -90,7 +87,7 @@ MODELS = ("mamba2",)
 PAIRS, FEWEST, WIDTH, LR, BATCH, TEST_SEQUENCES, TESTED = 32, 4, 32, 1e-2, 32, 512, (8, 16, 32)
 
 
-def run_one(arch, d_state, seed, steps, pairs=PAIRS, fewest=FEWEST, d_model=WIDTH, n_layer=2, lr=LR, weight_decay=0.1,
+def run_one(arch, d_state, seed, steps, pairs=PAIRS, fewest=FEWEST, d_model=WIDTH, n_layer=2, lr=LR, weight_decay=common.WEIGHT_DECAY,
             batch=BATCH, test_sequences=TEST_SEQUENCES, tested=TESTED):
     """Train arch at d_state with one seed, on strings of `fewest` to `pairs` pairs (drawn anew at every
     step, every pair asked for), then score it with each number of pairs in `tested`.
@@ -124,7 +121,6 @@ def main(argv=None):
         sys.exit(f"error: --d-states takes positive numbers, got {args.d_states!r}")
     if not 1 <= args.fewest <= PAIRS:
         sys.exit(f"error: --fewest must be from 1 to {PAIRS}, got {args.fewest}")
-    counts = list(TESTED)
     record, rows = {}, []
     for arch in args.models:
         for d_state in d_states or D_STATES.get(arch, (16,)):
@@ -137,10 +133,10 @@ def main(argv=None):
                     f"{n} pairs {a:.3f}" for n, a in scores.items()) + f"  ({seconds:.0f} s)", flush=True)
             record.setdefault(arch, {})[d_state] = runs
             rows.append((f"{common.ARCHS[arch]}, d_state {d_state}",
-                         {f"{n} pairs": [r["scores"][n] for r in runs] for n in counts}))
+                         {f"{n} pairs": [r["scores"][n] for r in runs] for n in TESTED}))
             common.save_results(args, "mqar", record)  # after each row: a stopped run keeps the rows it finished
     common.print_table(f"MQAR: accuracy on the queries, mean [min, max] over {args.seeds} seeds (trained on "
-                       f"{args.fewest}-{PAIRS} pairs; chance {1 / VALUES:.3f})", rows, [f"{n} pairs" for n in counts])
+                       f"{args.fewest}-{PAIRS} pairs; chance {1 / VALUES:.3f})", rows, [f"{n} pairs" for n in TESTED])
     figure(record, args)
 
 

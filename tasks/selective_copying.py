@@ -26,7 +26,7 @@ What it shows (RESULTS.md has the table, the machine and the times; about 3.5 mi
 seed on one thread): after 6,000 steps the selective model copies the tokens at the trained span on
 3 of 3 seeds (1.000, two slips in 4,096 on one seed) and keeps most of them at 2x (0.86-0.98); the LTI
 model reaches 0.80-0.85 at the trained span and 0.18-0.31 at 2x (chance 0.125). At 1,500 steps
-neither had finished learning (0.65 and 0.52; Intel, the earlier default).
+neither had finished learning (0.65 and 0.52: this command at commit 46e3c57, Intel).
 """
 
 import torch
@@ -69,10 +69,11 @@ def copying_batch(batch, span, generator, to_copy=TO_COPY):
 # ------------------------------------------------------------------------------------------------
 
 MODELS = ("mamba", "mamba-lti")
-SPAN, BATCH, TEST_SEQUENCES, STRETCH = 32, 32, 512, (1, 2, 4)
+SPAN, WIDTH, BATCH, TEST_SEQUENCES, STRETCH = 32, 32, 32, 512, (1, 2, 4)
 
 
-def run_one(arch, seed, steps, span=SPAN, d_model=32, n_layer=2, d_state=16, lr=3e-3, weight_decay=0.1, batch=BATCH,
+def run_one(arch, seed, steps, span=SPAN, d_model=WIDTH, n_layer=2, d_state=16, lr=common.LR,
+            weight_decay=common.WEIGHT_DECAY, batch=BATCH,
             test_sequences=TEST_SEQUENCES, stretch=STRETCH):
     """Train arch with one seed at `span`, score it at span times each factor in stretch.
     -> (accuracy per span, the loss curve, seconds of training)."""
@@ -134,7 +135,7 @@ def figure(record, args):
     ax_acc.set_ylabel("copy accuracy, mean over seeds")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
-    common.save_figure(fig, args, "selective_copying", "Selective copying")
+    common.save_figure(fig, args, "selective_copying", "Selective copying", WIDTH)
 
 
 if __name__ == "__main__":

@@ -40,10 +40,10 @@ seeds (official main's A and the March release's alike) while rotations off, Mam
 near chance; past 32 bits the seeds fall (a learned turn close to, not exactly, π per 1 would do that;
 the angles were not inspected). Arithmetic is not reproduced: at the longest trained length Mamba-3
 leads rotations off and Mamba-2 on every seed (0.58-0.61 against 0.50-0.54, chance 0.2) but by
-little more than the test's noise, trained twice as long the gap narrows to 0.02 (one seed), and no
-model comes near solving it. Tried: 2 layers of width 32, 1,500 steps (every model near 0.41, Intel,
-the earlier default); 4 layers of width 64, 3,000 steps (the default); the same with 6,000 steps
-(0.613 against 0.590, one seed); the same with lr 1e-2 (0.492 against 0.521, one seed).
+little more than the test's noise, with `--steps 6000` the gap narrows to AR6K_GAP (one seed), and
+no model comes near solving it. Tried: this command at commit 46e3c57 (2 layers of width 32, 1,500
+steps: every model near 0.41, Intel); the default (4 layers of width 64, 3,000 steps); `--steps
+6000` (AR6K_M3 against AR6K_REAL, one seed); `--lr 1e-2` (ARLR_M3 against ARLR_REAL, one seed).
 """
 
 import json
@@ -130,7 +130,8 @@ SIZES = {"parity": dict(models=("mamba3", "mamba3-real", "mamba2", "mamba"), d_m
 BATCH, TEST_SEQUENCES, STRETCH = 32, 512, (1, 2, 4, 8)
 
 
-def run_one(task, arch, seed, steps, d_model=32, n_layer=2, d_state=16, lr=3e-3, weight_decay=0.1, batch=BATCH,
+def run_one(task, arch, seed, steps, d_model=32, n_layer=2, d_state=16, lr=common.LR,
+            weight_decay=common.WEIGHT_DECAY, batch=BATCH,
             test_sequences=TEST_SEQUENCES, stretch=STRETCH):
     """Train arch on task with one seed, then score it at the longest training length times each
     factor in stretch. -> (accuracy per length, the loss curve, seconds of training)."""
@@ -161,15 +162,16 @@ def main(argv=None):
                             extra=lambda p: p.add_argument("--task", choices=("both", *TASKS), default="both"))
     for task in TASKS if args.task == "both" else (args.task,):
         _, _, _, longest, unit = TASKS[task]
-        size = dict(SIZES[task], **({"d_model": args.width} if args.width else {}))
-        steps, models = args.steps or size["steps"], args.models or size["models"]
+        given = dict(d_model=args.width, steps=args.steps, models=args.models)  # the command line's, or None
+        size = {**SIZES[task], **{k: v for k, v in given.items() if v}}
+        steps, models = size["steps"], size["models"]
+        options = {**common.overrides(args), "d_model": size["d_model"], "n_layer": size["n_layer"]}
         lengths = [f * longest for f in STRETCH]
         record, rows = {}, []
         for arch in models:
             runs = []
             for seed in range(args.seeds):
-                scores, curve, seconds = run_one(task, arch, seed, steps, **{
-                    "d_model": size["d_model"], "n_layer": size["n_layer"], **common.overrides(args)})
+                scores, curve, seconds = run_one(task, arch, seed, steps, **options)
                 runs.append(dict(seed=seed, scores=scores, curve=curve, seconds=seconds))
                 print(f"{task} {arch} seed {seed}: " + ", ".join(
                     f"{n} {unit} {'n/a' if a is None else f'{a:.3f}'}" for n, a in scores.items())
@@ -177,7 +179,7 @@ def main(argv=None):
             record[arch] = runs
             rows.append((common.ARCHS[arch], {f"{n} {unit}": [r["scores"][n] for r in runs] for n in lengths}))
             # after each model: a stopped run keeps them
-            common.save_results(args, task, record, **{**size, "steps": steps, "models": models})
+            common.save_results(args, task, record, **size)
         common.print_table(f"{task}: last-position accuracy, mean [min, max] over {args.seeds} seeds "
                            f"(trained on {TASKS[task][2]}-{longest} {unit}; {size['n_layer']} layers of width "
                            f"{size['d_model']}, {steps} steps)", rows, [f"{n} {unit}" for n in lengths])
@@ -195,9 +197,10 @@ def figure(args):
         if os.path.exists(path):
             with open(path) as f:
                 records[task] = json.load(f)
-            run = records[task]["settings"]
-            if "n_layer" in run:
-                sizes.append(f"{task}: {run['n_layer']} layers of width {run['d_model']}, {run['steps']} steps")
+            settings = records[task]["settings"]
+            if "n_layer" in settings:  # results written before each task had its own size do not say it
+                sizes.append(f"{task}: {settings['n_layer']} layers of width {settings['d_model']}, "
+                             f"{settings['steps']} steps")
     fig, axes = plt.subplots(1, len(records), figsize=(5 * len(records), 3.8), squeeze=False)
     for ax, (task, record) in zip(axes[0], records.items()):
         _, _, _, longest, unit = TASKS[task]
@@ -218,7 +221,8 @@ def figure(args):
         ax.set_title(task)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    common.save_figure(fig, args, "state_tracking", "State tracking", size="; ".join(sizes) or None)
+    common.save_figure(fig, args, "state_tracking", "State tracking", SIZES["parity"]["d_model"],
+                       size="; ".join(sizes) or None)
 
 
 if __name__ == "__main__":
